@@ -1,0 +1,41 @@
+# `make demo` and `make test` build .venv from nothing when it is missing or stale.
+# The stack is installed explicitly: torchrec's metadata asks for the CUDA
+# fbgemm-gpu, which would overwrite fbgemm-gpu-cpu, so torchrec and this package
+# go in with --no-deps. Every package is pinned in requirements/constraints.txt.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+STAMP := $(VENV)/.overlap-optim-installed
+PINS := -c requirements/constraints.txt
+PYTEST_ARGS ?=
+
+.PHONY: env demo test bench-smoke constraints clean
+
+env: $(STAMP)
+
+$(STAMP): setup.py Makefile $(wildcard requirements/*.txt)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "setting up $(VENV) (pinned stack; a satisfied package is skipped)"
+	$(PIP) install $(PINS) -r requirements/stack.txt
+	$(PIP) install --no-deps -r requirements/torchrec.txt
+	$(PIP) install $(PINS) -r requirements/runtime.txt -r requirements/test.txt -r requirements/examples.txt
+	$(PIP) install --no-deps --no-build-isolation -e .
+	@$(PY) -m pip list 2>/dev/null | grep -qiE '^fbgemm[-_]gpu ' && \
+		{ echo "error: the CUDA fbgemm-gpu got installed and breaks fbgemm-gpu-cpu; run: make clean env"; exit 1; } || true
+	$(PY) -c "import torchrec, fbgemm_gpu, overlap_optim, sharders"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/minimal.py
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+constraints: $(STAMP)
+	@{ echo "# Every package of the environment, pinned. Regenerate: make constraints"; \
+	  $(PY) -m pip freeze --exclude-editable 2>/dev/null | sed 's/+cpu//'; } > requirements/constraints.txt
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,17 @@
+"""overlap-optim: per-parameter optimizers that run during backward, exactly as torch.optim.
+
+Annotate parameters once with :func:`apply_optimizer_in_backward`; gather every
+annotated parameter into one keyed, checkpointable optimizer with
+:func:`get_optimizers`.
+"""
+
+from overlap_optim.annotation import AnnotationGroup, apply_optimizer_in_backward, materialize
+from overlap_optim.keyed import InBackwardOptimizer, get_optimizers
+
+__all__ = [
+    "AnnotationGroup",
+    "InBackwardOptimizer",
+    "apply_optimizer_in_backward",
+    "get_optimizers",
+    "materialize",
+]

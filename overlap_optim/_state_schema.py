@@ -1,0 +1,108 @@
+"""Checks of a saved optimizer state against the model it is loaded into.
+
+Each check raises ``ValueError`` naming the offending key and changes nothing,
+so a loader can run them all before it mutates any state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+class _Shape(tuple):
+    """The expected shape of a state tensor (a plain tuple is a saved value)."""
+
+
+# Distinct sizes, so a stand-in state tensor's shape says which parameter
+# dimensions it follows: (2, 3) -> (rows, cols); (2,) -> (rows,); () -> ().
+_STAND_IN_SIZES = (2, 3, 4, 5, 6, 7, 8, 9)
+
+
+def split(state_dict: Any) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
+    """The ``state`` and ``param_groups`` entries, checked for form."""
+    if not isinstance(state_dict, Mapping) or not isinstance(state_dict.get("state"), Mapping):
+        raise ValueError(
+            "not an optimizer state dict: expected a mapping with a 'state' mapping, got "
+            f"{type(state_dict).__name__} with keys {sorted(state_dict) if isinstance(state_dict, Mapping) else '-'}"
+        )
+    groups = state_dict.get("param_groups")
+    if groups is not None and not all(isinstance(g, Mapping) and "params" in g for g in groups):
+        raise ValueError("param_groups must be a list of mappings, each with 'params'")
+    return dict(state_dict["state"]), None if groups is None else [dict(g) for g in groups]
+
+
+def check_keys(
+    params: Mapping[str, torch.Tensor],
+    state: Mapping[str, Any],
+    groups: list[dict[str, Any]] | None,
+) -> None:
+    """Every saved key must name a parameter, and every parameter must be saved.
+
+    A parameter that never stepped has no state, so the saved param groups,
+    when present, say which parameters the saving side had.
+    """
+    saved = set(state)
+    if groups is not None:
+        saved |= {key for g in groups for key in g["params"]}
+    missing = sorted(set(params) - saved)
+    unexpected = sorted(saved - set(params))
+    if missing or unexpected:
+        raise ValueError(
+            f"optimizer state does not match the model: missing keys {missing}, "
+            f"unexpected keys {unexpected}"
+        )
+
+
+def check_param_state(key: str, param: torch.Tensor, saved: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate one parameter's saved state and return a private copy of it.
+
+    The names must be those the parameter's optimizer keeps, and each tensor
+    must have the shape that optimizer would give it for this parameter.
+    """
+    if not saved:
+        return {}
+    if param.is_meta:
+        raise ValueError(f"{key!r} is still on the meta device: materialize the model before loading")
+    expected = _expected_state(param)
+    cls = param._overlap_group.optimizer_class.__name__
+    if set(saved) != set(expected):
+        raise ValueError(
+            f"optimizer mismatch for {key!r}: saved state names {sorted(saved)}, but its "
+            f"{cls} keeps {sorted(expected)}"
+        )
+    copy = {}
+    for name, value in saved.items():
+        want = expected[name]
+        if isinstance(want, _Shape):
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(want):
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(
+                    f"shape mismatch for {key!r} state {name!r}: saved {got}, "
+                    f"expected {tuple(want)} for a parameter of shape {tuple(param.shape)}"
+                )
+            device = param.device if value.dim() else value.device
+            copy[name] = value.detach().to(device=device, copy=True)
+        else:
+            copy[name] = value
+    return copy
+
+
+def _expected_state(param: torch.Tensor) -> dict[str, Any]:
+    """``name -> shape`` (tensors) or a non-tensor value, from one step of the
+    param's optimizer on a small stand-in of the same rank."""
+    group = param._overlap_group
+    sizes = _STAND_IN_SIZES[: param.dim()]
+    stand_in = torch.ones(sizes, dtype=param.dtype, requires_grad=True)
+    stand_in.grad = torch.ones_like(stand_in)
+    optimizer = group.optimizer_class([stand_in], **group.optimizer_kwargs)
+    optimizer.step()
+    dim_of = {size: i for i, size in enumerate(sizes)}
+    expected: dict[str, Any] = {}
+    for name, value in optimizer.state[stand_in].items():
+        if isinstance(value, torch.Tensor):
+            expected[name] = _Shape(param.shape[dim_of[s]] if s in dim_of else s for s in value.shape)
+        else:
+            expected[name] = value
+    return expected

@@ -1,0 +1,312 @@
+"""Annotate parameters with the optimizer that updates them during backward.
+
+The annotation is metadata on each parameter, under the attribute names that
+``torch.distributed.optim._apply_optimizer_in_backward`` and TorchRec's sharders
+read (``_optimizer_classes``, ``_optimizer_kwargs``, ``_in_backward_optimizers``),
+so stock TorchRec code sees the same annotation. On an ordinary, unsharded model
+the update runs from a post-accumulate-grad hook and the gradient is released
+right after it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.distributed.optim.apply_optimizer_in_backward import (
+    param_to_optim_hook_handle_map,
+)
+
+__all__ = ["apply_optimizer_in_backward", "materialize", "AnnotationGroup"]
+
+# Keyword arguments of every torch.optim constructor that are not
+# hyperparameters of the update, and so must agree across a fused step.
+_CONSTRUCTOR_ONLY = ("params",)
+
+
+class AnnotationGroup:
+    """The parameters of one ``apply_optimizer_in_backward`` call.
+
+    It holds the hyperparameters the call asked for, completed with the
+    optimizer's defaults, as one torch-style ``param_group`` dict. That dict is
+    what ``get_optimizers(model).param_groups`` exposes: an LR scheduler that
+    writes ``group["lr"]`` changes the update at the next backward.
+
+    Attributes:
+        optimizer_class: the ``torch.optim.Optimizer`` subclass.
+        optimizer_kwargs: the kwargs exactly as the user passed them.
+        param_group: hyperparameters plus ``"params"``, the annotated tensors.
+    """
+
+    __slots__ = ("optimizer_class", "optimizer_kwargs", "param_group")
+
+    def __init__(
+        self,
+        optimizer_class: type[torch.optim.Optimizer],
+        optimizer_kwargs: dict[str, Any],
+        defaults: dict[str, Any],
+    ) -> None:
+        self.optimizer_class = optimizer_class
+        self.optimizer_kwargs = dict(optimizer_kwargs)
+        self.param_group: dict[str, Any] = {**defaults, "params": []}
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """The current hyperparameters, without ``"params"``."""
+        return {k: v for k, v in self.param_group.items() if k != "params"}
+
+    def __repr__(self) -> str:
+        return f"AnnotationGroup({self.optimizer_class.__name__}, {self.optimizer_kwargs})"
+
+
+def apply_optimizer_in_backward(
+    optimizer_class: type[torch.optim.Optimizer],
+    params: Iterable[torch.Tensor],
+    optimizer_kwargs: dict[str, Any] | None = None,
+    *,
+    replace: bool = False,
+) -> AnnotationGroup:
+    """Make ``optimizer_class(**optimizer_kwargs)`` update ``params`` during backward.
+
+    Every check runs before anything is changed, so a refused call leaves the
+    parameters as they were. Each parameter gets its own live optimizer (its
+    state is per parameter, exactly as ``torch.optim`` keeps it), created when
+    the parameter is real: meta-device parameters only record the metadata,
+    for a sharder to read. Once a parameter's gradient is fully accumulated
+    in backward, its optimizer steps and ``param.grad`` is set to None.
+
+    ``Module.to_empty`` replaces Parameter objects and so drops annotations;
+    use :func:`materialize` to move an annotated meta model to a device.
+
+    Args:
+        optimizer_class: a ``torch.optim.Optimizer`` subclass whose ``step``
+            runs without a closure.
+        params: the parameters to annotate; at least one, all requiring grad.
+        optimizer_kwargs: constructor kwargs, such as ``{"lr": 0.05}``.
+        replace: re-annotate parameters that already carry a different
+            optimizer instead of refusing.
+
+    Returns:
+        The :class:`AnnotationGroup` of this call, one param group of
+        ``get_optimizers(model)``.
+
+    Raises:
+        TypeError: ``optimizer_class`` is not an Optimizer subclass, a kwarg is
+            not a constructor argument, or a param is not a tensor.
+        ValueError: the optimizer rejects a value, it cannot step without a
+            closure, ``params`` is empty or holds a tensor that does not
+            require grad, or a param is annotated differently already.
+
+    Example:
+        >>> apply_optimizer_in_backward(torch.optim.Adam, model.dense.parameters(), {"lr": 1e-3})
+        >>> model(batch).sum().backward()  # dense layers are updated, grads are None
+    """
+    kwargs = dict(optimizer_kwargs or {})
+    _check_class(optimizer_class)
+    _check_kwarg_names(optimizer_class, kwargs)
+    params = _check_params(params)
+    defaults = _dry_run(optimizer_class, kwargs, {p.dim(): p.dtype for p in params})
+    _check_not_annotated(params, optimizer_class, kwargs, replace)
+
+    group = AnnotationGroup(optimizer_class, kwargs, defaults)
+    for param in params:
+        _annotate(param, group)
+    return group
+
+
+def materialize(module: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
+    """``module.to_empty(device=device)`` that keeps the annotations.
+
+    ``to_empty`` builds new Parameter objects, so attributes and hooks on the
+    meta parameters are lost. This re-applies each annotation group to the new
+    parameters, in place, and returns ``module``. Values are uninitialised,
+    as with ``to_empty``: call your init (e.g. ``reset_parameters``) after.
+    """
+    before = {name: getattr(p, "_overlap_group", None) for name, p in module.named_parameters()}
+    module.to_empty(device=device)
+    regrouped: dict[int, list[torch.Tensor]] = {}
+    groups: dict[int, AnnotationGroup] = {}
+    for name, param in module.named_parameters():
+        group = before.get(name)
+        if group is not None:
+            groups[id(group)] = group
+            regrouped.setdefault(id(group), []).append(param)
+    for key, params in regrouped.items():
+        group = groups[key]
+        group.param_group["params"] = []
+        for param in params:
+            _annotate(param, group)
+    return module
+
+
+def live_optimizer(param: torch.Tensor) -> torch.optim.Optimizer | None:
+    """The param's live optimizer, created on first use; None while on meta."""
+    optimizers = getattr(param, "_in_backward_optimizers", None)
+    if optimizers:
+        return optimizers[0]
+    group: AnnotationGroup | None = getattr(param, "_overlap_group", None)
+    if group is None or param.is_meta:
+        return None
+    optimizer = group.optimizer_class([param], **group.optimizer_kwargs)
+    param._in_backward_optimizers = [optimizer]
+    return optimizer
+
+
+def step_param(param: torch.Tensor) -> None:
+    """Run the param's optimizer on its current grad with the group's current
+    hyperparameters, then release the grad."""
+    optimizer = live_optimizer(param)
+    assert optimizer is not None, "step_param on a parameter without a live optimizer"
+    if param.__dict__.pop("_overlap_placeholder_state", False):
+        optimizer.state.pop(param, None)  # made by init_state() and never loaded over
+    optimizer.param_groups[0].update(param._overlap_group.hyperparameters())
+    optimizer.step()
+    param.grad = None
+
+
+def _annotate(param: torch.Tensor, group: AnnotationGroup) -> None:
+    old: AnnotationGroup | None = getattr(param, "_overlap_group", None)
+    keep_state = (
+        old is not None
+        and old.optimizer_class is group.optimizer_class
+        and _same_kwargs(old.optimizer_kwargs, group.optimizer_kwargs)
+    )
+    _remove_hooks(param)
+    param._optimizer_classes = [group.optimizer_class]
+    param._optimizer_kwargs = [dict(group.optimizer_kwargs)]
+    if not keep_state:
+        param._in_backward_optimizers = []
+    param._overlap_group = group
+    group.param_group["params"].append(param)
+    live_optimizer(param)
+    handle = param.register_post_accumulate_grad_hook(step_param)
+    # The same map torch uses, so that DDP's lazy init finds and removes it.
+    param_to_optim_hook_handle_map.setdefault(param, []).append(handle)
+
+
+def _remove_hooks(param: torch.Tensor) -> None:
+    for handle in param_to_optim_hook_handle_map.pop(param, []):
+        handle.remove()
+    old: AnnotationGroup | None = getattr(param, "_overlap_group", None)
+    if old is not None:
+        old.param_group["params"] = [p for p in old.param_group["params"] if p is not param]
+
+
+def _check_class(optimizer_class: Any) -> None:
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(
+            f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
+        )
+    step = inspect.signature(optimizer_class.step).parameters.get("closure")
+    if step is not None and step.default is inspect.Parameter.empty:
+        raise ValueError(
+            f"{optimizer_class.__name__} cannot run per parameter in backward: its step() "
+            "needs a closure that re-evaluates the whole loss, and no closure exists "
+            "while backward is running. Use an optimizer whose step() takes no closure."
+        )
+
+
+def _accepted_kwargs(optimizer_class: type[torch.optim.Optimizer]) -> list[str]:
+    signature = inspect.signature(optimizer_class.__init__)
+    return [
+        name
+        for name, p in signature.parameters.items()
+        if name not in ("self", *_CONSTRUCTOR_ONLY)
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+
+
+def _check_kwarg_names(optimizer_class: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> None:
+    # A constructor's **kwargs (torchrec's RowWiseAdagrad has **unused) would
+    # swallow a misspelt setting silently, so only named arguments count.
+    accepted = _accepted_kwargs(optimizer_class)
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise TypeError(
+            f"{optimizer_class.__name__} does not take the kwarg(s) {unknown}; "
+            f"it accepts {accepted}"
+        )
+
+
+def _check_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    params = list(params)
+    if not params:
+        raise ValueError("params is empty: pass at least one parameter to annotate")
+    unique: dict[int, torch.Tensor] = {}
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"params[{i}] is a {type(p).__name__}, not a tensor")
+        if not p.requires_grad:
+            raise ValueError(
+                f"params[{i}] (shape {tuple(p.shape)}) does not require grad, so backward "
+                "never reaches it: annotate trainable parameters only"
+            )
+        unique[id(p)] = p
+    return list(unique.values())
+
+
+def _dry_run(
+    optimizer_class: type[torch.optim.Optimizer],
+    kwargs: dict[str, Any],
+    shapes: dict[int, torch.dtype],
+) -> dict[str, Any]:
+    """Build and step the optimizer on tiny stand-ins, one per rank of tensor
+    annotated, so that a bad value or a step that cannot run alone fails here
+    and not in the middle of backward. Returns the completed defaults."""
+    defaults: dict[str, Any] = {}
+    for ndim, dtype in shapes.items():
+        stand_in = torch.ones((2,) * ndim, dtype=dtype, requires_grad=True)
+        stand_in.grad = torch.ones_like(stand_in)
+        try:
+            optimizer = optimizer_class([stand_in], **kwargs)
+        except ValueError as err:
+            raise ValueError(f"{optimizer_class.__name__}({kwargs}) rejected a value: {err}") from None
+        except TypeError as err:
+            raise TypeError(f"{optimizer_class.__name__}({kwargs}) failed: {err}") from None
+        try:
+            optimizer.step()
+        except Exception as err:  # any failure means it cannot run in backward
+            raise ValueError(
+                f"{optimizer_class.__name__}({kwargs}) cannot step a {ndim}-d {dtype} "
+                f"parameter on its own in backward: {type(err).__name__}: {err}"
+            ) from None
+        defaults = optimizer.defaults
+    return dict(defaults)
+
+
+def _check_not_annotated(
+    params: list[torch.Tensor],
+    optimizer_class: type[torch.optim.Optimizer],
+    kwargs: dict[str, Any],
+    replace: bool,
+) -> None:
+    if replace:
+        return
+    for i, p in enumerate(params):
+        classes = getattr(p, "_optimizer_classes", None)
+        if not classes:
+            continue
+        old_kwargs = p._optimizer_kwargs[0]
+        if classes == [optimizer_class] and _same_kwargs(old_kwargs, kwargs):
+            continue
+        raise ValueError(
+            f"params[{i}] (shape {tuple(p.shape)}) is already annotated with "
+            f"{classes[0].__name__}({old_kwargs}); refusing to change it to "
+            f"{optimizer_class.__name__}({kwargs}). Pass replace=True to re-annotate."
+        )
+
+
+def _same_kwargs(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not torch.equal(torch.as_tensor(x), torch.as_tensor(y)):
+                return False
+        elif x != y:
+            return False
+    return True

@@ -1,0 +1,208 @@
+"""One keyed optimizer over every annotated parameter of a model.
+
+:func:`get_optimizers` gathers the per-parameter optimizers that
+:func:`~overlap_optim.apply_optimizer_in_backward` attached, and presents them
+as a single TorchRec ``KeyedOptimizer``: state keyed by fully qualified
+parameter name, one param group per annotation call, ``state_dict()`` /
+``load_state_dict()`` and ``init_state()``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torchrec.optim.keyed import KeyedOptimizer
+
+from overlap_optim import _state_schema
+from overlap_optim.annotation import AnnotationGroup, live_optimizer
+
+__all__ = ["get_optimizers", "InBackwardOptimizer"]
+
+# The group entry naming the optimizer class; it is metadata, not a hyperparameter.
+_CLASS_KEY = "optimizer"
+
+
+class _LiveState(Mapping):
+    """``param -> state dict`` read through to each live optimizer, so state
+    created lazily at the first backward shows up without a rebuild."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor]) -> None:
+        self._params = list(params.values())
+
+    def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
+        optimizer = live_optimizer(param)
+        if optimizer is None or param not in optimizer.state:
+            raise KeyError(param)
+        return optimizer.state[param]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for param in self._params:
+            optimizer = live_optimizer(param)
+            if optimizer is not None and optimizer.state.get(param):
+                yield param
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class InBackwardOptimizer(KeyedOptimizer):
+    """The in-backward optimizers of a model, as one ``KeyedOptimizer``.
+
+    The updates themselves run during backward, so ``step()`` and
+    ``zero_grad()`` do no work (``step(closure)`` runs the closure, whose
+    backward updates). ``param_groups`` are the live groups: setting
+    ``param_groups[i]["lr"]``, by hand or from a ``torch.optim.lr_scheduler``,
+    takes effect at the next backward. Call ``step()`` once per iteration anyway
+    if you use a scheduler, so that it does not warn about the call order.
+
+    Build it with :func:`get_optimizers`.
+    """
+
+    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+        groups: dict[int, AnnotationGroup] = {}
+        for param in params.values():
+            group = param._overlap_group
+            groups.setdefault(id(group), group)
+        self._groups = list(groups.values())
+        super().__init__(params, _LiveState(params), [g.param_group for g in self._groups])
+        self.save_param_groups(True)
+        self._key_of = {param: key for key, param in params.items()}
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Run ``closure`` if given (its backward performs the updates); else nothing."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: backward releases each annotated gradient after its update."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"state": {fqn: {name: value}}, "param_groups": [...]}``.
+
+        Each group lists its parameters by FQN and records the optimizer class.
+        State tensors are returned by reference, as ``torch.optim`` does.
+        """
+        state = {self._key_of[p]: dict(s) for p, s in self.state.items()}
+        return {"state": state, "param_groups": [self._group_state(g) for g in self._groups]}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load state and hyperparameters saved by :meth:`state_dict`.
+
+        Everything is checked before anything changes: on any error the
+        current weights, state and hyperparameters are exactly as they were.
+
+        Raises:
+            ValueError: keys are missing or unexpected (both lists are given),
+                a parameter's optimizer or state names differ, or a state
+                tensor's shape does not fit its parameter.
+        """
+        new_state, new_groups = _state_schema.split(state_dict)
+        _state_schema.check_keys(self.params, new_state, new_groups)
+        group_of = self._match_groups(new_groups)
+        loaded = {
+            key: _state_schema.check_param_state(key, param, new_state.get(key, {}))
+            for key, param in self.params.items()
+        }
+        for group, saved in group_of:
+            group.param_group.update({k: v for k, v in saved.items() if k not in ("params", _CLASS_KEY)})
+        for key, param in self.params.items():
+            optimizer = live_optimizer(param)
+            optimizer.state.pop(param, None)
+            if loaded[key]:
+                optimizer.state[param] = loaded[key]
+            param.__dict__.pop("_overlap_placeholder_state", None)
+
+    def init_state(self, sparse_grad_parameter_names: set[str] | None = None) -> None:
+        """Create every lazy state tensor, so a checkpoint can be loaded in place.
+
+        It steps each parameter that has no state yet on a zero gradient and
+        puts its weight back. The state it makes is a placeholder: if backward
+        reaches the parameter before a ``load_state_dict``, the placeholder is
+        dropped first, so training stays exactly that of ``torch.optim``.
+        """
+        for param in self.params.values():
+            optimizer = live_optimizer(param)
+            if optimizer is None or optimizer.state.get(param):
+                continue
+            kept = param.detach().clone()
+            param.grad = torch.zeros_like(param)
+            optimizer.param_groups[0].update(param._overlap_group.hyperparameters())
+            optimizer.step()
+            with torch.no_grad():
+                param.copy_(kept)
+            param.grad = None
+            param._overlap_placeholder_state = True
+
+    def _group_state(self, group: AnnotationGroup) -> dict[str, Any]:
+        keys = sorted(self._key_of[p] for p in group.param_group["params"] if p in self._key_of)
+        cls = group.optimizer_class
+        return {
+            **group.hyperparameters(),
+            _CLASS_KEY: f"{cls.__module__}.{cls.__qualname__}",
+            "params": keys,
+        }
+
+    def _match_groups(
+        self, new_groups: list[dict[str, Any]] | None
+    ) -> list[tuple[AnnotationGroup, dict[str, Any]]]:
+        if new_groups is None:
+            return []
+        saved_of = {key: g for g in new_groups for key in g["params"]}
+        pairs = []
+        for group in self._groups:
+            mine = self._group_state(group)
+            saved = saved_of[mine["params"][0]]
+            if saved.get(_CLASS_KEY, mine[_CLASS_KEY]) != mine[_CLASS_KEY]:
+                raise ValueError(
+                    f"optimizer mismatch for {mine['params'][0]!r}: the state dict holds "
+                    f"{saved[_CLASS_KEY]} state, the model now has {mine[_CLASS_KEY]}"
+                )
+            strays = sorted(set(mine["params"]) - set(saved["params"]))
+            if strays:
+                raise ValueError(
+                    f"param group of {mine['params'][0]!r} was saved without {strays}: "
+                    "annotate the same parameters together as when the state was saved"
+                )
+            pairs.append((group, saved))
+        return pairs
+
+
+def get_optimizers(model: torch.nn.Module) -> InBackwardOptimizer:
+    """The one keyed optimizer for every annotated parameter of ``model``.
+
+    Parameters are keyed by their FQN in ``model`` (the first name of a shared
+    parameter). It warns once, listing them, about trainable parameters that
+    carry no annotation: nothing here updates them.
+
+    Args:
+        model: the module whose parameters were annotated with
+            :func:`~overlap_optim.apply_optimizer_in_backward`.
+
+    Returns:
+        An :class:`InBackwardOptimizer`.
+
+    Example:
+        >>> opt = get_optimizers(model)
+        >>> torch.save(opt.state_dict(), "opt.pt")
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"get_optimizers takes an nn.Module, got {type(model).__name__}")
+    annotated: dict[str, torch.Tensor] = {}
+    bare: list[str] = []
+    for name, param in model.named_parameters():
+        if getattr(param, "_overlap_group", None) is not None:
+            annotated[name] = param
+        elif param.requires_grad:
+            bare.append(name)
+    if bare:
+        warnings.warn(
+            f"{len(bare)} trainable parameter(s) have no in-backward optimizer and are not "
+            f"updated by get_optimizers(): {bare}",
+            stacklevel=2,
+        )
+    return InBackwardOptimizer(annotated)

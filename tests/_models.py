@@ -1,0 +1,64 @@
+"""Tiny TorchRec models and data shared by the tests (not collected by pytest)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+
+ROWS = 12
+DIM = 4
+TABLES = ("t0", "t1")
+
+
+class TinyModel(nn.Module):
+    """Two EmbeddingBag tables (``ebc.embedding_bags["t0"|"t1"]``) and an MLP."""
+
+    def __init__(self, device: str | torch.device = "cpu", seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        configs = [
+            EmbeddingBagConfig(name=t, embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f_{t}"])
+            for t in TABLES
+        ]
+        self.ebc = EmbeddingBagCollection(tables=configs, device=torch.device(device))
+        self.dense = nn.Sequential(nn.Linear(2 * DIM, 8, device=device), nn.Tanh(), nn.Linear(8, 1, device=device))
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        pooled = self.ebc(kjt)
+        return self.dense(torch.cat([pooled[f"f_{t}"] for t in TABLES], dim=1)).squeeze(1)
+
+
+def make_batch(generator: torch.Generator, batch: int = 6) -> tuple[KeyedJaggedTensor, torch.Tensor]:
+    """A batch with 1-3 ids per feature per sample, and a target per sample."""
+    lengths = torch.randint(1, 4, (len(TABLES) * batch,), generator=generator)
+    values = torch.randint(0, ROWS, (int(lengths.sum()),), generator=generator)
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"f_{t}" for t in TABLES], values=values, lengths=lengths
+    )
+    return kjt, torch.randn(batch, generator=generator)
+
+
+def loss_of(model: nn.Module, batch: tuple[KeyedJaggedTensor, torch.Tensor]) -> torch.Tensor:
+    kjt, target = batch
+    return (model(kjt) - target).pow(2).mean()
+
+
+def clone_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_same_params(model: nn.Module, reference: nn.Module, step: int) -> None:
+    ref = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(
+            param.detach(), ref[name].detach(), rtol=1e-5, atol=1e-6,
+            msg=lambda m, name=name: f"step {step}, {name}: {m}",
+        )
+
+
+def assert_moved(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
+    """Every parameter changed, so a parity check did not pass by standing still."""
+    for name, param in model.named_parameters():
+        moved = (param.detach() - before[name]).abs().max().item()
+        assert moved > 1e-4, f"{name} moved only {moved}: the comparison proves nothing"

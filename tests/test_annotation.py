@@ -1,0 +1,137 @@
+"""apply_optimizer_in_backward: metadata, refusals, meta-device models, interop."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.optim.apply_optimizer_in_backward import _get_in_backward_optimizers
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+from _models import TinyModel, assert_same_params, loss_of, make_batch
+from overlap_optim import apply_optimizer_in_backward, get_optimizers, materialize
+
+_ATTRS = ("_optimizer_classes", "_optimizer_kwargs", "_in_backward_optimizers", "_overlap_group")
+
+
+def _bare(params) -> bool:
+    return all(not hasattr(p, a) for p in params for a in _ATTRS)
+
+
+def test_records_the_metadata_torch_and_torchrec_read():
+    model = TinyModel()
+    table = model.ebc.embedding_bags["t0"].weight
+    apply_optimizer_in_backward(torch.optim.Adagrad, [table], {"lr": 0.05})
+    assert table._optimizer_classes == [torch.optim.Adagrad]
+    assert table._optimizer_kwargs == [{"lr": 0.05}]
+    (live,) = table._in_backward_optimizers
+    assert isinstance(live, torch.optim.Adagrad) and live.param_groups[0]["params"] == [table]
+    assert _get_in_backward_optimizers(model) == [live]
+    names = [n for n, _ in in_backward_optimizer_filter(model.named_parameters(), include=True)]
+    assert names == ["ebc.embedding_bags.t0.weight"]
+
+
+def test_grad_is_released_and_weight_updated_in_backward():
+    lin = torch.nn.Linear(2, 2)
+    before = lin.weight.detach().clone()
+    apply_optimizer_in_backward(torch.optim.SGD, lin.parameters(), {"lr": 1.0})
+    lin(torch.ones(1, 2)).sum().backward()
+    assert lin.weight.grad is None and lin.bias.grad is None
+    assert not torch.equal(lin.weight.detach(), before)
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs, err, match",
+    [
+        (torch.nn.Linear, {}, TypeError, "must be a torch.optim.Optimizer subclass, got <class 'torch.nn"),
+        ("Adam", {}, TypeError, "must be a torch.optim.Optimizer subclass, got 'Adam'"),
+        (torch.optim.Adam, {"momentum": 0.9}, TypeError,
+         r"Adam does not take the kwarg\(s\) \['momentum'\]; it accepts \['lr', 'betas'"),
+        (RowWiseAdagrad, {"betas": (0.9, 0.9)}, TypeError,
+         r"RowWiseAdagrad does not take the kwarg\(s\) \['betas'\]; it accepts \['lr', 'lr_decay'"),
+        (torch.optim.SGD, {"lr": -1.0}, ValueError, "rejected a value: Invalid learning rate: -1.0"),
+        (torch.optim.Adam, {"betas": (1.5, 0.9)}, ValueError, "Invalid beta parameter at index 0: 1.5"),
+        (torch.optim.LBFGS, {}, ValueError, "LBFGS cannot run per parameter in backward: its step.. needs a closure"),
+        (torch.optim.SparseAdam, {}, ValueError, "SparseAdam.* cannot step a 2-d .*dense gradients"),
+    ],
+    ids=["module-class", "string", "adam-momentum", "rowwise-swallowed-kwarg", "negative-lr",
+         "betas", "lbfgs", "sparse-adam"],
+)
+def test_bad_optimizer_is_refused_and_nothing_changes(cls, kwargs, err, match):
+    model = TinyModel()
+    with pytest.raises(err, match=match):
+        apply_optimizer_in_backward(cls, model.ebc.parameters(), kwargs)
+    assert _bare(model.parameters())
+
+
+def test_bad_params_are_refused():
+    frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    live = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match="params is empty"):
+        apply_optimizer_in_backward(torch.optim.SGD, iter([]), {"lr": 0.1})
+    with pytest.raises(ValueError, match=r"params\[1\] \(shape \(3,\)\) does not require grad"):
+        apply_optimizer_in_backward(torch.optim.SGD, [live, frozen], {"lr": 0.1})
+    with pytest.raises(TypeError, match=r"params\[0\] is a str, not a tensor"):
+        apply_optimizer_in_backward(torch.optim.SGD, ["w"], {"lr": 0.1})
+    assert _bare([live, frozen])
+
+
+def test_second_annotation_is_refused_unless_replace():
+    model = TinyModel()
+    reference = copy.deepcopy(model)
+    dense = list(model.dense.parameters())
+    apply_optimizer_in_backward(torch.optim.SGD, dense, {"lr": 0.1})
+    apply_optimizer_in_backward(torch.optim.SGD, dense, {"lr": 0.1})  # the same: fine
+    with pytest.raises(ValueError, match=r"already annotated with SGD\(\{'lr': 0.1\}\).*replace=True"):
+        apply_optimizer_in_backward(torch.optim.Adam, dense, {"lr": 0.01})
+    assert dense[0]._optimizer_classes == [torch.optim.SGD]
+
+    apply_optimizer_in_backward(torch.optim.Adam, dense, {"lr": 0.01}, replace=True)
+    apply_optimizer_in_backward(torch.optim.SGD, model.ebc.parameters(), {"lr": 0.1})
+    ref_opts = [torch.optim.Adam(reference.dense.parameters(), lr=0.01),
+                torch.optim.SGD(reference.ebc.parameters(), lr=0.1)]
+    generator = torch.Generator().manual_seed(0)
+    for step in range(3):
+        batch = make_batch(generator)
+        loss_of(model, batch).backward()
+        loss_of(reference, batch).backward()
+        for o in ref_opts:
+            o.step()
+            o.zero_grad()
+        assert_same_params(model, reference, step)
+    assert len(get_optimizers(model).param_groups) == 2  # the replaced group is empty and gone
+
+
+def test_meta_parameters_record_metadata_only_then_materialize():
+    reference = TinyModel()
+    model = TinyModel(device="meta")
+    apply_optimizer_in_backward(torch.optim.Adam, model.dense.parameters(), {"lr": 0.01})
+    apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), {"lr": 0.1})
+    weight = model.dense[0].weight
+    assert weight.is_meta and weight._optimizer_classes == [torch.optim.Adam]
+    assert weight._in_backward_optimizers == []  # no live optimizer on meta
+
+    materialize(model, "cpu")
+    model.load_state_dict(reference.state_dict())
+    assert all(not p.is_meta and len(p._in_backward_optimizers) == 1 for p in model.parameters())
+    ref_opts = [torch.optim.Adam(reference.dense.parameters(), lr=0.01),
+                torch.optim.Adagrad(reference.ebc.parameters(), lr=0.1)]
+    generator = torch.Generator().manual_seed(0)
+    for step in range(3):
+        batch = make_batch(generator)
+        loss_of(model, batch).backward()
+        loss_of(reference, batch).backward()
+        for o in ref_opts:
+            o.step()
+            o.zero_grad()
+        assert_same_params(model, reference, step)
+
+
+def test_plain_to_empty_drops_annotations_and_get_optimizers_says_so():
+    model = TinyModel(device="meta")
+    apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 0.01})
+    model.to_empty(device="cpu")  # torch builds new Parameter objects here
+    with pytest.warns(UserWarning, match=r"6 trainable parameter\(s\) have no in-backward optimizer"):
+        get_optimizers(model)

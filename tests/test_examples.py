@@ -1,0 +1,38 @@
+"""The examples run as a user runs them, and say what they promise."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_minimal_example_trains_and_matches_torch_optim(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "minimal.py"), "--steps", "30", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    output = run.stdout + run.stderr
+    assert "step    0  loss" in output
+    gap = float(re.search(r"largest weight difference from plain torch.optim: (\S+)", output).group(1))
+    assert gap < 1e-6
+    saved = torch.load(tmp_path / "minimal_optimizer.pt", weights_only=False)
+    assert set(saved["state"]) == {
+        "ebc.embedding_bags.user.weight", "ebc.embedding_bags.item.weight",
+        "dense.0.weight", "dense.0.bias", "dense.2.weight", "dense.2.bias",
+    }
+
+
+def test_minimal_example_rejects_bad_flags_without_a_traceback():
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "minimal.py"), "--steps", "0"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert run.returncode == 2
+    assert "must be positive, got 0" in run.stderr and "Traceback" not in run.stderr
