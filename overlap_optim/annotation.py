@@ -198,13 +198,18 @@ def _check_class(optimizer_class: Any) -> None:
         raise TypeError(
             f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
         )
-    step = inspect.signature(optimizer_class.step).parameters.get("closure")
-    if step is not None and step.default is inspect.Parameter.empty:
+    if needs_closure(optimizer_class):
         raise ValueError(
             f"{optimizer_class.__name__} cannot run per parameter in backward: its step() "
             "needs a closure that re-evaluates the whole loss, and no closure exists "
             "while backward is running. Use an optimizer whose step() takes no closure."
         )
+
+
+def needs_closure(optimizer_class: type[torch.optim.Optimizer]) -> bool:
+    """True if ``optimizer_class.step`` cannot run without a closure (LBFGS)."""
+    closure = inspect.signature(optimizer_class.step).parameters.get("closure")
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def _accepted_kwargs(optimizer_class: type[torch.optim.Optimizer]) -> list[str]:

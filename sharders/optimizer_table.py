@@ -1,0 +1,148 @@
+"""The one table that decides: torch.optim setting -> FBGEMM fused kernel, or fallback.
+
+A table is fused only where FBGEMM computes the same update as ``torch.optim``
+on that device type; its kwargs are then translated, name by name, and nothing
+else reaches FBGEMM. Everything else runs in the fallback kernel, which applies
+the real ``torch.optim`` step to the rows a batch touched. A reader who wants to
+know "why did table t3 not fuse?" finds the answer in :data:`RULES` below.
+
+Facts behind the rules (measured on torch 2.13 / fbgemm-gpu-cpu 1.8, see
+``shared/FBGEMM_NOTES.md``):
+
+- EXACT_SGD is ``w -= lr*g``: no momentum, no weight decay.
+- EXACT_ADAGRAD is ``s += g*g; w -= lr*g/(sqrt(s)+eps)``: no lr_decay, no
+  weight decay, the accumulator starts at 0. torch's eps default is 1e-10,
+  FBGEMM's 1e-8, so eps is always passed explicitly.
+- EXACT_ROWWISE_ADAGRAD is torchrec's ``RowWiseAdagrad``; on CPU FBGEMM drops
+  weight decay for fp32 tables, so weight decay there goes to the fallback.
+- On CPU FBGEMM fuses nothing else (Adam asserts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+from overlap_optim.annotation import needs_closure
+
+__all__ = ["KernelChoice", "choose_kernel", "RULES", "decision_table_markdown"]
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """Where one table's update runs.
+
+    Attributes:
+        fused: True for an FBGEMM fused TBE kernel, False for the fallback.
+        fbgemm_kwargs: for a fused table, the complete translated TBE kwargs
+            (``optimizer``, ``learning_rate``, ...); empty for the fallback.
+        reason: for the fallback, the setting that prevented fusion.
+    """
+
+    fused: bool
+    fbgemm_kwargs: dict[str, Any] = field(default_factory=dict)
+    reason: str = ""
+
+
+def _settings(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The kwargs completed with the class defaults, as the optimizer would see them."""
+    probe = torch.zeros(1, 1, requires_grad=True)
+    return dict(cls([probe], **kwargs).defaults)
+
+
+def _unsupported(s: dict[str, Any], **neutral: Any) -> str:
+    """The first setting whose value is not the neutral one FBGEMM assumes."""
+    for name, value in neutral.items():
+        if name in s and s[name] != value:
+            return f"{name}={s[name]!r}"
+    return ""
+
+
+def _sgd(s: dict[str, Any], device: str) -> KernelChoice:
+    bad = _unsupported(s, momentum=0, weight_decay=0, nesterov=False, maximize=False)
+    if bad:
+        return KernelChoice(False, reason=f"{bad}: FBGEMM's EXACT_SGD has no momentum, weight decay or maximize")
+    return KernelChoice(True, {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": float(s["lr"])})
+
+
+def _adagrad(s: dict[str, Any], device: str) -> KernelChoice:
+    bad = _unsupported(s, lr_decay=0, weight_decay=0, initial_accumulator_value=0, maximize=False)
+    if bad:
+        return KernelChoice(
+            False,
+            reason=f"{bad}: FBGEMM's EXACT_ADAGRAD has no lr_decay, weight decay, initial accumulator or maximize",
+        )
+    kwargs = {"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": float(s["lr"]), "eps": float(s["eps"])}
+    return KernelChoice(True, kwargs)
+
+
+def _rowwise_adagrad(s: dict[str, Any], device: str) -> KernelChoice:
+    bad = _unsupported(s, lr_decay=0, initial_accumulator_value=0, maximize=False)
+    if bad:
+        return KernelChoice(
+            False, reason=f"{bad}: FBGEMM's EXACT_ROWWISE_ADAGRAD has no lr_decay, initial accumulator or maximize"
+        )
+    if s["weight_decay"] != 0:
+        why = "FBGEMM's CPU kernel ignores it for fp32 tables" if device == "cpu" else "not verified on CUDA here"
+        return KernelChoice(False, reason=f"weight_decay={s['weight_decay']!r}: {why}")
+    kwargs = {
+        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        "learning_rate": float(s["lr"]),
+        "eps": float(s["eps"]),
+    }
+    return KernelChoice(True, kwargs)
+
+
+_Rule = Callable[[dict[str, Any], str], KernelChoice]
+
+# device type -> optimizer class -> rule. A class missing here goes to the fallback.
+RULES: dict[str, dict[type[torch.optim.Optimizer], _Rule]] = {
+    "cpu": {torch.optim.SGD: _sgd, torch.optim.Adagrad: _adagrad, RowWiseAdagrad: _rowwise_adagrad},
+    # CUDA keeps to the rules verified on CPU: FBGEMM's CUDA Adam counts steps per
+    # kernel and its decoupled decay is unverified here, so Adam stays in the fallback.
+    "cuda": {torch.optim.SGD: _sgd, torch.optim.Adagrad: _adagrad, RowWiseAdagrad: _rowwise_adagrad},
+}
+
+
+def choose_kernel(
+    optimizer_class: type[torch.optim.Optimizer],
+    optimizer_kwargs: dict[str, Any],
+    device_type: str,
+    *,
+    table: str = "?",
+) -> KernelChoice:
+    """Decide where ``table``'s update runs on ``device_type``.
+
+    Raises:
+        ValueError: the device type is unknown, or the optimizer cannot run in
+            backward at all (it needs a closure); the message names the table.
+    """
+    if device_type not in RULES:
+        raise ValueError(f"table {table!r}: no optimizer rules for device type {device_type!r}; known: {sorted(RULES)}")
+    if needs_closure(optimizer_class):
+        raise ValueError(
+            f"table {table!r}: {optimizer_class.__name__} needs a closure in step() and cannot run in backward"
+        )
+    rule = RULES[device_type].get(optimizer_class)
+    if rule is None:
+        return KernelChoice(False, reason=f"{optimizer_class.__name__}: FBGEMM has no exact {device_type} kernel")
+    return rule(_settings(optimizer_class, optimizer_kwargs), device_type)
+
+
+def decision_table_markdown(
+    examples: list[tuple[str, type[torch.optim.Optimizer], dict[str, Any]]],
+) -> str:
+    """A markdown table of what :func:`choose_kernel` decides for each example, per device type."""
+    lines = ["| setting | " + " | ".join(RULES) + " |", "| --- |" + " --- |" * len(RULES)]
+    for label, cls, kwargs in examples:
+        cells = []
+        for device in RULES:
+            choice = choose_kernel(cls, kwargs, device)
+            cells.append(f"fused {choice.fbgemm_kwargs['optimizer'].name}" if choice.fused else f"fallback: {choice.reason}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
