@@ -1,8 +1,9 @@
 """TorchRec integration of overlap-optim: optimizer-aware sharders.
 
-The EmbeddingBagCollection sharder, its optimizer decision table, the fallback
-kernel, ``DataParallelWrapper`` and ``describe()`` land here. Arrows run from
-``sharders`` to ``overlap_optim``, never back.
+Arrows run from ``sharders`` to ``overlap_optim``, never back.
 """
 
-__all__: list[str] = []
+from sharders.embeddingbag import EmbeddingBagCollectionSharder, TableDecision
+from sharders.optimizer_table import KernelChoice, choose_kernel
+
+__all__ = ["EmbeddingBagCollectionSharder", "KernelChoice", "TableDecision", "choose_kernel"]

@@ -62,3 +62,55 @@ def assert_moved(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
     for name, param in model.named_parameters():
         moved = (param.detach() - before[name]).abs().max().item()
         assert moved > 1e-4, f"{name} moved only {moved}: the comparison proves nothing"
+
+
+class ManyTableModel(nn.Module):
+    """``len(names)`` tables ``ebc.embedding_bags[name]`` (one feature ``f_<name>`` each) and an MLP."""
+
+    def __init__(self, names: list[str], rows: int = ROWS, dim: int = 8, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.names = list(names)
+        configs = [
+            EmbeddingBagConfig(name=n, embedding_dim=dim, num_embeddings=rows, feature_names=[f"f_{n}"])
+            for n in self.names
+        ]
+        self.ebc = EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))
+        self.dense = nn.Sequential(nn.Linear(len(names) * dim, 4), nn.Tanh(), nn.Linear(4, 1))
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        pooled = self.ebc(kjt)
+        return self.dense(torch.cat([pooled[f"f_{n}"] for n in self.names], dim=1)).squeeze(1)
+
+
+def covering_batch(
+    names: list[str], generator: torch.Generator, batch: int = 4, rows: int = ROWS, cover: bool = True
+) -> tuple[KeyedJaggedTensor, torch.Tensor]:
+    """Per feature: sample 0's bag holds every row when ``cover`` (so every row is
+    touched), the other samples 1-3 random ids."""
+    lengths, values = [], []
+    for _ in names:
+        for sample in range(batch):
+            if cover and sample == 0:
+                ids = torch.randperm(rows, generator=generator)
+            else:
+                ids = torch.randint(0, rows, (int(torch.randint(1, 4, (1,), generator=generator)),), generator=generator)
+            lengths.append(ids.numel())
+            values.append(ids)
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"f_{n}" for n in names], values=torch.cat(values), lengths=torch.tensor(lengths)
+    )
+    return kjt, torch.randn(batch, generator=generator)
+
+
+def concat_batches(parts: list[tuple[KeyedJaggedTensor, torch.Tensor]]) -> tuple[KeyedJaggedTensor, torch.Tensor]:
+    """The global batch: every rank's samples, rank after rank, for each feature."""
+    keys = parts[0][0].keys()
+    lengths, values = [], []
+    for key in keys:
+        for kjt, _ in parts:
+            jt = kjt[key]
+            lengths.append(jt.lengths())
+            values.append(jt.values())
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
+    return kjt, torch.cat([t for _, t in parts])

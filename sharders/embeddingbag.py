@@ -1,0 +1,224 @@
+"""An EmbeddingBagCollection sharder that gives every table exactly its torch.optim update.
+
+It is TorchRec's sharder with three changes:
+
+- Each table's annotation is translated by :mod:`sharders.optimizer_table`:
+  fusable settings reach FBGEMM translated name by name (so tables with equal
+  settings share one fused TBE), everything else goes to the fallback kernel
+  (grouped by setting in the same way). Nothing untranslated reaches FBGEMM.
+- Data-parallel tables are updated with their annotated optimizer from a
+  DDP communication hook, after their gradients are all-reduced.
+- Row-wise and table-row-wise sharding are offered on CPU too.
+
+Refused at sharding time, with the table's name: a table with no annotation, an
+optimizer that needs a closure, and torchrec's ``RowWiseAdagrad`` on a table
+whose rows are split into column shards (its per-row state needs whole rows).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder as _TorchRecSharder
+from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+from overlap_optim.annotation import AnnotationGroup
+from overlap_optim.comm_hooks import OptimizerHookState, optimizer_hook
+from sharders.fallback import FallbackEmbeddingBag
+from sharders.optimizer_table import KernelChoice, choose_kernel
+
+__all__ = ["EmbeddingBagCollectionSharder", "TableDecision"]
+
+# The fused_params entry that keeps fallback tables of different settings in
+# different kernels; the dense kernel TorchRec builds for them ignores it.
+_SETTING_KEY = "overlap_optim_setting"
+_ROW_SPLITTING = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
+_COLUMN_SPLITTING = (ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value)
+
+
+@dataclasses.dataclass(frozen=True)
+class TableDecision:
+    """Where one table's update runs, and why. ``describe()`` prints these."""
+
+    table: str
+    sharding_type: str
+    group: AnnotationGroup
+    choice: KernelChoice
+
+    @property
+    def kernel(self) -> str:
+        if self.sharding_type == ShardingType.DATA_PARALLEL.value:
+            return "data_parallel_hook"
+        return "fused" if self.choice.fused else "fallback"
+
+
+class EmbeddingBagCollectionSharder(_TorchRecSharder):
+    """Drop-in for TorchRec's ``EmbeddingBagCollectionSharder``; see the module doc.
+
+    Example:
+        >>> sharder = EmbeddingBagCollectionSharder()
+        >>> plan = EmbeddingShardingPlanner(topology=topology).collective_plan(model, [sharder], pg)
+        >>> model = DistributedModelParallel(model, device=device, plan=plan, sharders=[sharder])
+    """
+
+    def __init__(self, fused_params: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        optimizer_keys = sorted(set(fused_params or {}) & {"optimizer", "learning_rate", "eps", "weight_decay"})
+        if optimizer_keys:
+            raise ValueError(
+                f"fused_params {optimizer_keys} set an optimizer for every table; annotate the tables "
+                "with overlap_optim.apply_optimizer_in_backward instead"
+            )
+        super().__init__(fused_params=fused_params, **kwargs)
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        types = list(super().sharding_types(compute_device_type))
+        return types + [t for t in _ROW_SPLITTING if t not in types]
+
+    def shard(
+        self,
+        module: EmbeddingBagCollection,
+        params: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> ShardedEmbeddingBagCollection:
+        device = device or torch.device("cpu")
+        decisions = {
+            config.name: _decide(module, config.name, params[config.name], device)
+            for config in module.embedding_bag_configs()
+        }
+        params = {name: _with_kernel(sharding, decisions.get(name)) for name, sharding in params.items()}
+        with _translated_annotations(module, decisions):
+            sharded = super().shard(module, params, env, device, module_fqn)
+        _install_fallback_kernels(sharded, decisions)
+        _install_data_parallel_hooks(sharded, decisions, env)
+        sharded._overlap_decisions = decisions
+        return sharded
+
+
+def annotation_of(weight: torch.Tensor, table: str) -> AnnotationGroup:
+    """The table's annotation, also when torch's own ``_apply_optimizer_in_backward`` made it."""
+    group = getattr(weight, "_overlap_group", None)
+    if group is not None:
+        return group
+    classes = getattr(weight, "_optimizer_classes", None)
+    if not classes or classes[0] is None:
+        raise ValueError(
+            f"table {table!r} has no optimizer annotation; annotate it with "
+            "overlap_optim.apply_optimizer_in_backward (stock TorchRec would silently train it "
+            "with FBGEMM's default SGD)"
+        )
+    cls, kwargs = classes[0], dict(weight._optimizer_kwargs[0])
+    return AnnotationGroup(cls, kwargs, cls([torch.zeros(2, 2)], **kwargs).defaults)
+
+
+def _decide(module: nn.Module, table: str, sharding: ParameterSharding, device: torch.device) -> TableDecision:
+    group = annotation_of(module.embedding_bags[table].weight, table)
+    choice = choose_kernel(group.optimizer_class, group.optimizer_kwargs, device.type, table=table)
+    if group.optimizer_class is RowWiseAdagrad and sharding.sharding_type in _COLUMN_SPLITTING:
+        shards = sharding.sharding_spec.shards if sharding.sharding_spec is not None else []
+        if len({s.shard_offsets[1] for s in shards}) > 1:
+            raise ValueError(
+                f"table {table!r}: RowWiseAdagrad keeps one accumulator per whole row, and "
+                f"{sharding.sharding_type} sharding splits rows into column shards; use table_wise, "
+                "row_wise, table_row_wise or data_parallel for this table"
+            )
+    return TableDecision(table, sharding.sharding_type, group, choice)
+
+
+def _with_kernel(sharding: ParameterSharding, decision: TableDecision | None) -> ParameterSharding:
+    if decision is None or sharding.sharding_type == ShardingType.DATA_PARALLEL.value:
+        return sharding
+    kernel = EmbeddingComputeKernel.FUSED if decision.choice.fused else EmbeddingComputeKernel.DENSE
+    return dataclasses.replace(sharding, compute_kernel=kernel.value)
+
+
+def _setting_label(group: AnnotationGroup) -> str:
+    cls = group.optimizer_class
+    return f"{cls.__module__}.{cls.__qualname__}{sorted(group.optimizer_kwargs.items())}"
+
+
+@contextlib.contextmanager
+def _translated_annotations(module: nn.Module, decisions: dict[str, TableDecision]) -> Iterator[None]:
+    """While TorchRec shards, each table's annotation reads as its translated fused params.
+
+    TorchRec maps ``_optimizer_classes[0]`` itself and passes every other kwarg
+    to FBGEMM untranslated; with the class hidden and the kwargs replaced, it
+    passes exactly what :func:`choose_kernel` produced.
+    """
+    saved = {}
+    for name, decision in decisions.items():
+        weight = module.embedding_bags[name].weight
+        saved[name] = {a: weight.__dict__[a] for a in ("_optimizer_classes", "_optimizer_kwargs") if a in weight.__dict__}
+        fused = decision.choice.fused and decision.kernel == "fused"
+        weight._optimizer_classes = [None]
+        weight._optimizer_kwargs = [
+            dict(decision.choice.fbgemm_kwargs) if fused else {_SETTING_KEY: _setting_label(decision.group)}
+        ]
+    try:
+        yield
+    finally:
+        for name, attrs in saved.items():
+            weight = module.embedding_bags[name].weight
+            for attr in ("_optimizer_classes", "_optimizer_kwargs"):
+                weight.__dict__.pop(attr, None)
+            weight.__dict__.update(attrs)
+
+
+def _kernels(sharded: ShardedEmbeddingBagCollection) -> Iterator[tuple[int, Any, int, nn.Module]]:
+    """(lookup index, lookup, kernel index, kernel) for every kernel of every lookup."""
+    for i, lookup in enumerate(sharded._lookups):
+        inner = lookup.module if isinstance(lookup, DistributedDataParallel) else lookup
+        for j, kernel in enumerate(getattr(inner, "_emb_modules", [])):
+            yield i, lookup, j, kernel
+
+
+def _install_fallback_kernels(sharded: ShardedEmbeddingBagCollection, decisions: dict[str, TableDecision]) -> None:
+    for _, lookup, _, kernel in _kernels(sharded):
+        if isinstance(lookup, DistributedDataParallel) or kernel.config.compute_kernel != EmbeddingComputeKernel.DENSE:
+            continue
+        groups = {t.name: decisions[t.name].group for t in kernel.config.embedding_tables}
+        FallbackEmbeddingBag.adopt(kernel, groups)
+
+
+def _install_data_parallel_hooks(
+    sharded: ShardedEmbeddingBagCollection, decisions: dict[str, TableDecision], env: ShardingEnv
+) -> None:
+    """Step each data-parallel table's optimizer on its all-reduced gradient."""
+    for lookup in sharded._lookups:
+        if not isinstance(lookup, DistributedDataParallel):
+            continue
+        targets: dict[int, list] = {}
+        for kernel in lookup.module._emb_modules:
+            flat = kernel.emb_module.weights
+            for table, view in _table_views(kernel):
+                weight = sharded.embedding_bags[table].weight
+                _attach(weight, decisions[table].group)
+                targets.setdefault(id(flat), []).append((weight, view))
+        lookup.register_comm_hook(OptimizerHookState(env.process_group, targets), optimizer_hook)
+
+
+def _table_views(kernel: nn.Module) -> Iterator[tuple[str, Any]]:
+    emb = kernel.emb_module
+    for t_idx, (rows, dim) in enumerate(emb.embedding_specs):
+        start = emb.weights_physical_offsets[t_idx]
+        name = kernel.config.embedding_tables[t_idx].name
+        yield name, (lambda g, s=start, r=rows, d=dim: g[s : s + r * d].view(r, d))
+
+
+def _attach(weight: torch.Tensor, group: AnnotationGroup) -> None:
+    """Give a sharded table's parameter a live optimizer that a hook steps (no grad hook)."""
+    weight._optimizer_classes = [group.optimizer_class]
+    weight._optimizer_kwargs = [dict(group.optimizer_kwargs)]
+    weight._overlap_group = group
+    weight._in_backward_optimizers = [group.optimizer_class([weight], **group.optimizer_kwargs)]

@@ -1,0 +1,129 @@
+"""The fallback compute kernel: FBGEMM's dense lookup, then torch.optim on the touched rows.
+
+For tables whose optimizer FBGEMM cannot compute exactly (see
+:mod:`sharders.optimizer_table`), the sharder builds TorchRec's dense kernel
+(``BatchedDenseEmbeddingBag``, whose weights, state-dict and checkpoint
+plumbing we keep) and turns it into a :class:`FallbackEmbeddingBag`. Its
+forward is the dense kernel's lookup without an autograd graph on the weights;
+its backward turns the pooled output gradient into one summed gradient per
+touched row, and runs each table's :class:`~overlap_optim.rows.RowOptimizer`.
+No gradient the size of a table is ever made: the cost follows the touched rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from torchrec.distributed.batched_embedding_kernel import BatchedDenseEmbeddingBag
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from overlap_optim.annotation import AnnotationGroup
+from overlap_optim.rows import RowOptimizer
+
+__all__ = ["FallbackEmbeddingBag"]
+
+
+class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
+    """A dense TorchRec kernel whose tables are updated in backward, row by touched row.
+
+    Build it with :meth:`adopt`. ``row_optimizers[i]`` updates the kernel's
+    i-th table (shard), a ``(rows, dim)`` view of the dense kernel's weights.
+    """
+
+    row_optimizers: list[RowOptimizer]
+
+    @classmethod
+    def adopt(cls, dense: BatchedDenseEmbeddingBag, groups: dict[str, AnnotationGroup]) -> FallbackEmbeddingBag:
+        """Turn ``dense`` into a fallback kernel in place and return it.
+
+        TorchRec's lookup builds kernels from a closed switch with no registry,
+        and registers the tables' parameters before a sharder sees the result,
+        so the kernel object is kept (weights, views and all) and only its
+        class changes.
+
+        Args:
+            dense: a kernel built for compute kernel "dense".
+            groups: table name -> its annotation group.
+        """
+        assert isinstance(dense, BatchedDenseEmbeddingBag)
+        dense.__class__ = cls
+        weights = dense.emb_module.split_embedding_weights()
+        names = [t.name for t in dense.config.embedding_tables]
+        dense.row_optimizers = [RowOptimizer(w, groups[n]) for w, n in zip(weights, names)]
+        # Nothing of the weights is in the graph; the anchor lets backward reach us.
+        dense.emb_module.weights.requires_grad_(False)
+        dense._anchor = torch.empty(0, requires_grad=True)
+        return dense
+
+    def forward(self, features: KeyedJaggedTensor, *unused: Any) -> torch.Tensor:
+        if features.variable_stride_per_key():
+            raise NotImplementedError(
+                f"fallback tables {[t.name for t in self.config.embedding_tables]}: variable batch "
+                "size per feature is not supported"
+            )
+        weights = features.weights_or_none()
+        if weights is not None and not torch.is_floating_point(weights):
+            weights = None
+        if weights is not None and weights.requires_grad:
+            raise NotImplementedError(
+                f"fallback tables {[t.name for t in self.config.embedding_tables]}: per-sample weights "
+                "that require grad (feature processors) are not supported"
+            )
+        indices = features.values().to(self._embedding_table_index_type)
+        offsets = features.offsets().to(self._embedding_table_offset_type)
+        return _LookupThenUpdate.apply(self._anchor, self, indices, offsets, weights)
+
+    @torch.no_grad()
+    def update_rows(
+        self, grad_out: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None
+    ) -> None:
+        """Sum the gradient of every touched row of every table, then step each table once."""
+        per_table: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for ids, grads, table in self._value_grads(grad_out, indices, offsets, weights):
+            per_table.setdefault(table, []).append((ids, grads))
+        for table, parts in per_table.items():
+            ids = torch.cat([p[0] for p in parts])
+            grads = torch.cat([p[1] for p in parts])
+            unique, inverse = torch.unique(ids, return_inverse=True)
+            summed = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype, device=grads.device)
+            summed.index_add_(0, inverse, grads)
+            self.row_optimizers[table].step(unique, summed)
+
+    def _value_grads(self, grad_out, indices, offsets, weights):
+        """Per feature: (row ids, gradient of each looked-up value, table index)."""
+        features = len(self._feature_table_map)
+        batch = (offsets.numel() - 1) // features
+        if batch == 0:
+            return
+        lengths = offsets[1:] - offsets[:-1]
+        bag_of_value = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)
+        column = 0
+        dims = [w.shape[1] for w in (r.weight for r in self.row_optimizers)]
+        bounds = offsets[:: batch].tolist()  # where each feature's values start
+        for f, table in enumerate(self._feature_table_map):
+            start, end = bounds[f], bounds[f + 1]
+            dim = dims[table]
+            samples = bag_of_value[start:end] - f * batch
+            grads = grad_out[:, column : column + dim].index_select(0, samples)
+            if weights is not None:
+                grads = grads * weights[start:end, None]
+            if self._pooling == PoolingMode.MEAN:
+                grads = grads / lengths[f * batch + samples].clamp(min=1)[:, None]
+            column += dim
+            yield indices[start:end], grads, table
+
+
+class _LookupThenUpdate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor, kernel, indices, offsets, weights):
+        ctx.kernel, ctx.weights = kernel, weights
+        ctx.save_for_backward(indices, offsets)
+        return kernel.emb_module(indices=indices, offsets=offsets, per_sample_weights=weights)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        indices, offsets = ctx.saved_tensors
+        ctx.kernel.update_rows(grad_out.contiguous(), indices, offsets, ctx.weights)
+        return None, None, None, None, None
