@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torchrec.optim.keyed import KeyedOptimizer
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
 from overlap_optim import _state_schema
 from overlap_optim.annotation import AnnotationGroup, live_optimizer
@@ -172,19 +172,24 @@ class InBackwardOptimizer(KeyedOptimizer):
         return pairs
 
 
-def get_optimizers(model: torch.nn.Module) -> InBackwardOptimizer:
+def get_optimizers(model: torch.nn.Module) -> KeyedOptimizer:
     """The one keyed optimizer for every annotated parameter of ``model``.
 
-    Parameters are keyed by their FQN in ``model`` (the first name of a shared
-    parameter). It warns once, listing them, about trainable parameters that
-    carry no annotation: nothing here updates them.
+    Parameters are keyed by their FQN in the unsharded model (the first name of a
+    shared parameter). Sharded modules contribute their ``fused_optimizer``
+    (TorchRec's contract; with ``sharders`` that covers fused and fallback
+    tables alike), and every other annotated parameter comes from its in-backward
+    optimizer. It warns once, listing them, about trainable parameters that
+    nothing here updates.
 
     Args:
         model: the module whose parameters were annotated with
-            :func:`~overlap_optim.apply_optimizer_in_backward`.
+            :func:`~overlap_optim.apply_optimizer_in_backward`, plain or sharded
+            (``DistributedModelParallel``, or modules sharded one by one).
 
     Returns:
-        An :class:`InBackwardOptimizer`.
+        An :class:`InBackwardOptimizer` for a model with no sharded module, else a
+        TorchRec ``CombinedOptimizer`` of the sharded modules' optimizers and it.
 
     Example:
         >>> opt = get_optimizers(model)
@@ -192,12 +197,17 @@ def get_optimizers(model: torch.nn.Module) -> InBackwardOptimizer:
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"get_optimizers takes an nn.Module, got {type(model).__name__}")
+    fused = _fused_optimizers(model)
+    # By key: a fused optimizer may hold a ShardedTensor where the module has a view.
+    covered = {CombinedOptimizer.prepend_opt_key(k, path) for path, opt in fused for k in opt.params}
     annotated: dict[str, torch.Tensor] = {}
     bare: list[str] = []
     for name, param in model.named_parameters():
+        if name in covered:
+            continue
         if getattr(param, "_overlap_group", None) is not None:
             annotated[name] = param
-        elif param.requires_grad:
+        elif param.requires_grad and param.numel() > 0:
             bare.append(name)
     if bare:
         warnings.warn(
@@ -205,4 +215,23 @@ def get_optimizers(model: torch.nn.Module) -> InBackwardOptimizer:
             f"updated by get_optimizers(): {bare}",
             stacklevel=2,
         )
-    return InBackwardOptimizer(annotated)
+    in_backward = InBackwardOptimizer(annotated)
+    if not fused:
+        return in_backward
+    # CombinedOptimizer wants one policy for saving param groups: TorchRec's (off).
+    in_backward.save_param_groups(fused[0][1].defaults["_save_param_groups"])
+    return CombinedOptimizer([*fused, ("", in_backward)])
+
+
+def _fused_optimizers(model: torch.nn.Module) -> list[tuple[str, KeyedOptimizer]]:
+    """(path, optimizer) of the outermost modules that carry a ``fused_optimizer``."""
+    found: list[tuple[str, KeyedOptimizer]] = []
+    taken: list[str] = []
+    for path, module in model.named_modules():
+        if any(path == t or path.startswith(t + ".") for t in taken if t) or ("" in taken):
+            continue
+        optimizer = getattr(module, "fused_optimizer", None)
+        if isinstance(optimizer, KeyedOptimizer):
+            found.append((path, optimizer))
+            taken.append(path)
+    return found

@@ -39,18 +39,22 @@ class RowOptimizer:
 
     Args:
         weight: the table (or this rank's shard of it), ``(rows, dim)``; updated in place.
-        group: the table's annotation; its current hyperparameters are used at
-            every step, so LR schedules reach the table.
+        group: the table's annotation.
+        param_group: where the current hyperparameters are read at every step
+            (default: ``group.param_group``), so LR schedules reach the table.
 
     Example:
         >>> rows = RowOptimizer(table_weight, table_weight_annotation_group)
         >>> rows.step(torch.tensor([3, 7]), row_grads)  # row_grads: (2, dim)
     """
 
-    def __init__(self, weight: torch.Tensor, group: AnnotationGroup) -> None:
+    def __init__(
+        self, weight: torch.Tensor, group: AnnotationGroup, param_group: dict[str, Any] | None = None
+    ) -> None:
         assert weight.dim() == 2, "a table is 2-D"
         self.weight = weight
         self.group = group
+        self.param_group = group.param_group if param_group is None else param_group
         # A reusable optimizer whose param and state are swapped in at each step.
         self._placeholder = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
         self._optimizer = group.optimizer_class([self._placeholder], **group.optimizer_kwargs)
@@ -74,7 +78,7 @@ class RowOptimizer:
             optimizer.param_groups[0]["params"] = [rows]
             optimizer.state.clear()
             optimizer.state[rows] = self.state_for_rows(ids)
-        optimizer.param_groups[0].update(self.group.hyperparameters())
+        optimizer.param_groups[0].update({k: v for k, v in self.param_group.items() if k != "params"})
         try:
             optimizer.step()
         finally:
@@ -88,6 +92,11 @@ class RowOptimizer:
                 self.row_state[key].index_copy_(0, ids, value)
             else:
                 self.table_state[key] = value
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """The whole table's state under torch.optim's names (empty before the first step)."""
+        return {**self.row_state, **self.table_state}
 
     def state_for_rows(self, ids: torch.Tensor) -> dict[str, Any]:
         """The optimizer state of rows ``ids``, as torch.optim would hold it for them."""

@@ -101,6 +101,10 @@ class EmbeddingBagCollectionSharder(_TorchRecSharder):
         with _translated_annotations(module, decisions):
             sharded = super().shard(module, params, env, device, module_fqn)
         _install_fallback_kernels(sharded, decisions)
+        for name, decision in decisions.items():  # the sharded module holds the tables now
+            unsharded = module.embedding_bags[name].weight
+            params = decision.group.param_group["params"]
+            params[:] = [p for p in params if p is not unsharded]
         _install_data_parallel_hooks(sharded, decisions, env)
         sharded._overlap_decisions = decisions
         return sharded
@@ -175,20 +179,24 @@ def _translated_annotations(module: nn.Module, decisions: dict[str, TableDecisio
             weight.__dict__.update(attrs)
 
 
-def _kernels(sharded: ShardedEmbeddingBagCollection) -> Iterator[tuple[int, Any, int, nn.Module]]:
-    """(lookup index, lookup, kernel index, kernel) for every kernel of every lookup."""
-    for i, lookup in enumerate(sharded._lookups):
+def kernels_of(sharded: ShardedEmbeddingBagCollection) -> Iterator[tuple[nn.Module, nn.Module]]:
+    """(lookup, kernel) for every kernel of every lookup of a sharded EBC."""
+    for lookup in sharded._lookups:
         inner = lookup.module if isinstance(lookup, DistributedDataParallel) else lookup
-        for j, kernel in enumerate(getattr(inner, "_emb_modules", [])):
-            yield i, lookup, j, kernel
+        for kernel in getattr(inner, "_emb_modules", []):
+            yield lookup, kernel
 
 
 def _install_fallback_kernels(sharded: ShardedEmbeddingBagCollection, decisions: dict[str, TableDecision]) -> None:
-    for _, lookup, _, kernel in _kernels(sharded):
+    for lookup, kernel in kernels_of(sharded):
         if isinstance(lookup, DistributedDataParallel) or kernel.config.compute_kernel != EmbeddingComputeKernel.DENSE:
             continue
         groups = {t.name: decisions[t.name].group for t in kernel.config.embedding_tables}
-        FallbackEmbeddingBag.adopt(kernel, groups)
+        optimizer = FallbackEmbeddingBag.adopt(kernel, groups).fallback_optimizer
+        # TorchRec combined its kernels' fused optimizers before we saw them; add ours,
+        # keyed as TorchRec keys the fused ones, so DMP's fused_optimizer covers them too.
+        optimizer.params = {f"embedding_bags.{k}": v for k, v in optimizer.params.items()}
+        sharded._optim._optims.append(("", optimizer))
 
 
 def _install_data_parallel_hooks(
@@ -222,3 +230,4 @@ def _attach(weight: torch.Tensor, group: AnnotationGroup) -> None:
     weight._optimizer_kwargs = [dict(group.optimizer_kwargs)]
     weight._overlap_group = group
     weight._in_backward_optimizers = [group.optimizer_class([weight], **group.optimizer_kwargs)]
+    group.param_group["params"].append(weight)

@@ -12,17 +12,19 @@ No gradient the size of a table is ever made: the cost follows the touched rows.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torchrec.distributed.batched_embedding_kernel import BatchedDenseEmbeddingBag
+from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from overlap_optim.annotation import AnnotationGroup
 from overlap_optim.rows import RowOptimizer
 
-__all__ = ["FallbackEmbeddingBag"]
+__all__ = ["FallbackEmbeddingBag", "FallbackOptimizer"]
 
 
 class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
@@ -51,7 +53,12 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
         dense.__class__ = cls
         weights = dense.emb_module.split_embedding_weights()
         names = [t.name for t in dense.config.embedding_tables]
-        dense.row_optimizers = [RowOptimizer(w, groups[n]) for w, n in zip(weights, names)]
+        tables = dict(dense.named_parameters_by_table())
+        param_groups = [{**groups[n].hyperparameters(), "params": [tables[n]]} for n in names]
+        dense.row_optimizers = [RowOptimizer(w, groups[n], g) for w, n, g in zip(weights, names, param_groups)]
+        dense.fallback_optimizer = FallbackOptimizer(
+            {f"{n}.weight": tables[n] for n in names}, dense.row_optimizers, param_groups
+        )
         # Nothing of the weights is in the graph; the anchor lets backward reach us.
         dense.emb_module.weights.requires_grad_(False)
         dense._anchor = torch.empty(0, requires_grad=True)
@@ -113,6 +120,43 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
                 grads = grads / lengths[f * batch + samples].clamp(min=1)[:, None]
             column += dim
             yield indices[start:end], grads, table
+
+
+class FallbackOptimizer(KeyedOptimizer):
+    """The fallback tables of one kernel as a TorchRec ``KeyedOptimizer``.
+
+    State is each table's full (local shard) state under torch.optim's names.
+    ``param_groups`` (one per table) are live: an LR schedule reaches the next
+    backward. ``step()`` and ``zero_grad()`` do no work: backward did it.
+    """
+
+    def __init__(self, params: dict[str, torch.Tensor], rows: list[RowOptimizer], param_groups: list[dict]) -> None:
+        super().__init__(params, _RowState(list(params.values()), rows), param_groups)
+
+    def step(self, closure: Any = None) -> None:
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+
+class _RowState(Mapping):
+    """``table param -> its RowOptimizer state``, read live; tables not yet stepped are absent."""
+
+    def __init__(self, params: list[torch.Tensor], rows: list[RowOptimizer]) -> None:
+        self._pairs = list(zip(params, rows))
+
+    def __getitem__(self, param):
+        for p, r in self._pairs:
+            if p is param and r.state:
+                return r.state
+        raise KeyError(param)
+
+    def __iter__(self):
+        return (p for p, r in self._pairs if r.state)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 class _LookupThenUpdate(torch.autograd.Function):

@@ -30,7 +30,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from overlap_optim.annotation import needs_closure
 
-__all__ = ["KernelChoice", "choose_kernel", "RULES", "decision_table_markdown"]
+__all__ = ["KernelChoice", "choose_kernel", "RULES", "DOC_EXAMPLES", "decision_table_markdown"]
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ def choose_kernel(
         )
     rule = RULES[device_type].get(optimizer_class)
     if rule is None:
-        return KernelChoice(False, reason=f"{optimizer_class.__name__}: FBGEMM has no exact {device_type} kernel")
+        return KernelChoice(False, reason=f"{optimizer_class.__name__}: FBGEMM has no kernel verified exact on {device_type}")
     return rule(_settings(optimizer_class, optimizer_kwargs), device_type)
 
 
@@ -146,3 +146,25 @@ def decision_table_markdown(
             cells.append(f"fused {choice.fbgemm_kwargs['optimizer'].name}" if choice.fused else f"fallback: {choice.reason}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+# The settings docs/optimizers.md shows; regenerate with `python -m sharders.optimizer_table`.
+DOC_EXAMPLES: list[tuple[str, type[torch.optim.Optimizer], dict[str, Any]]] = [
+    ("SGD(lr)", torch.optim.SGD, {"lr": 0.1}),
+    ("SGD(lr, momentum)", torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    ("SGD(lr, weight_decay)", torch.optim.SGD, {"lr": 0.1, "weight_decay": 1e-4}),
+    ("Adagrad(lr, eps)", torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-8}),
+    ("Adagrad(lr, lr_decay)", torch.optim.Adagrad, {"lr": 0.1, "lr_decay": 0.01}),
+    ("Adagrad(lr, initial_accumulator_value)", torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.1}),
+    ("Adagrad(lr, weight_decay)", torch.optim.Adagrad, {"lr": 0.1, "weight_decay": 1e-4}),
+    ("RowWiseAdagrad(lr)", RowWiseAdagrad, {"lr": 0.1}),
+    ("RowWiseAdagrad(lr, weight_decay)", RowWiseAdagrad, {"lr": 0.1, "weight_decay": 1e-4}),
+    ("Adam(lr)", torch.optim.Adam, {"lr": 1e-3}),
+    ("Adam(lr, amsgrad)", torch.optim.Adam, {"lr": 1e-3, "amsgrad": True}),
+    ("AdamW(lr, weight_decay)", torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01}),
+    ("RMSprop(lr)", torch.optim.RMSprop, {"lr": 1e-3}),
+]
+
+
+if __name__ == "__main__":
+    print(decision_table_markdown(DOC_EXAMPLES))

@@ -90,3 +90,97 @@ def matrix(rank, world_size, cases, sharding_types=SHARDING_TYPES):
         names = [c[0] for c in kept]
         moved[sharding_type] = train_and_compare(rank, world_size, names, [(c[1], c[2]) for c in kept], sharding_type)
     return moved
+
+
+def count_collectives(dmp, batch) -> int:
+    """How many collectives one forward and backward of ``dmp`` issue."""
+    names = ("all_to_all_single", "all_to_all", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor")
+    calls = []
+    originals = {n: getattr(dist, n) for n in names}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in names:
+        setattr(dist, name, counting(name))
+    try:
+        loss_of(dmp, batch).backward()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return len(calls)
+
+
+def grouping_and_describe(rank, world_size):
+    """Kernels per setting, collectives per step, describe() and get_optimizers() coverage."""
+    import overlap_optim
+
+    names = [f"t{i}" for i in range(6)]
+    distinct = [
+        (torch.optim.SGD, {"lr": 0.1}), (torch.optim.SGD, {"lr": 0.2}), (torch.optim.Adagrad, {"lr": 0.1}),
+        (torch.optim.Adam, {"lr": 0.05}), (torch.optim.Adam, {"lr": 0.1}), (torch.optim.RMSprop, {"lr": 0.01}),
+    ]
+    same = [(torch.optim.SGD, {"lr": 0.1})] * 6
+    out = {}
+    for label, settings in (("one", same), ("six", distinct)):
+        dmp, _, _ = build(names, settings, "table_wise", world_size)
+        generator = torch.Generator().manual_seed(7)
+        batch = [covering_batch(names, generator) for _ in range(world_size)][rank]
+        out[f"collectives_{label}"] = count_collectives(dmp, batch)
+        out[f"describe_{label}"] = sharders.describe(dmp)
+    opt = overlap_optim.get_optimizers(dmp)
+    out["stepped_keys"] = sorted(k for k, v in opt.state_dict()["state"].items() if v)
+    out["param_keys"] = sorted(opt.params)
+    return out
+
+
+def lazy_rows(rank, world_size, sharding_type):
+    """Rows a step does not touch keep their weights, and the fallback keeps their state."""
+    import overlap_optim
+
+    names = ["adam", "adagrad"]
+    settings = [(torch.optim.Adam, {"lr": 0.05, "weight_decay": 0.1}), (torch.optim.Adagrad, {"lr": 0.1})]
+    dmp, _, _ = build(names, settings, sharding_type, world_size)
+    opt = overlap_optim.get_optimizers(dmp)
+    generator = torch.Generator().manual_seed(3)
+    loss_of(dmp, [covering_batch(names, generator) for _ in range(world_size)][rank]).backward()
+    before_w = {n: [(r, p.clone()) for r, _, p in local_pieces(dmp, n)] for n in names}
+    before_s = {k: {s: _local(v) for s, v in st.items()} for k, st in opt.state_dict()["state"].items()}
+    touched = 6  # the second step only looks up ids < 6
+    loss_of(dmp, [covering_batch(names, generator, rows=touched, cover=False) for _ in range(world_size)][rank]).backward()
+    moved_untouched, moved_touched = [], 0.0
+    for name in names:
+        for (row0, old), (_, _, new) in zip(before_w[name], local_pieces(dmp, name)):
+            rows = torch.arange(row0, row0 + new.shape[0])
+            untouched = rows >= touched
+            if not torch.equal(old[untouched], new[untouched]):
+                moved_untouched.append(name)
+            moved_touched = max(moved_touched, (old[~untouched] - new[~untouched]).abs().max().item() if (~untouched).any() else 0.0)
+    state_changed = []
+    adam_key = "ebc.embedding_bags.adam.weight"
+    adam_row0 = before_w["adam"][0][0] if before_w["adam"] else 0
+    for state_name, old in before_s.get(adam_key, {}).items():
+        new = _local(opt.state_dict()["state"][adam_key][state_name])
+        if old.dim():
+            untouched = torch.arange(adam_row0, adam_row0 + old.shape[0]) >= touched
+            if not torch.equal(old[untouched], new[untouched]):
+                state_changed.append(state_name)
+    return {"moved_untouched": moved_untouched, "moved_touched": moved_touched, "state_changed": state_changed,
+            "adam_state_names": sorted(before_s.get(adam_key, {}))}
+
+
+def _local(value):
+    if isinstance(value, ShardedTensor):
+        return value.local_shards()[0].tensor.clone() if value.local_shards() else torch.empty(0)
+    return value.clone() if torch.is_tensor(value) else torch.tensor(value)
+
+
+def behaviour(rank, world_size):
+    """Every non-parity check that needs 2 ranks, in one spawned group."""
+    return {
+        "grouping": grouping_and_describe(rank, world_size),
+        "lazy": {st: lazy_rows(rank, world_size, st) for st in ("table_wise", "row_wise")},
+    }

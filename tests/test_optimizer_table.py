@@ -1,0 +1,133 @@
+"""The decision table, and the refusals the sharder makes at sharding time (world size 1)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch.distributed.optim.apply_optimizer_in_backward import _apply_optimizer_in_backward
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+import sharders
+from _sharded_parity import build
+from sharders.optimizer_table import DOC_EXAMPLES, choose_kernel, decision_table_markdown
+
+# Every kwarg that may reach FBGEMM: the translated ones, never a torch.optim name.
+FBGEMM_NAMES = {"optimizer", "learning_rate", "eps"}
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs, expected",
+    [
+        (torch.optim.SGD, {"lr": 0.1}, {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1}),
+        (torch.optim.Adagrad, {"lr": 0.1},
+         {"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.1, "eps": 1e-10}),  # torch's default eps
+        (RowWiseAdagrad, {"lr": 0.1, "eps": 1e-6},
+         {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1, "eps": 1e-6}),
+    ],
+)
+def test_fusable_settings_are_translated_name_by_name(cls, kwargs, expected):
+    for device in ("cpu", "cuda"):
+        choice = choose_kernel(cls, kwargs, device)
+        assert choice.fused and choice.fbgemm_kwargs == expected and set(choice.fbgemm_kwargs) <= FBGEMM_NAMES
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs, reason",
+    [
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, "momentum=0.9"),
+        (torch.optim.SGD, {"lr": 0.1, "weight_decay": 0.1}, "weight_decay=0.1"),
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}, "momentum=0.9"),
+        (torch.optim.Adagrad, {"lr": 0.1, "lr_decay": 0.1}, "lr_decay=0.1"),
+        (torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.1}, "initial_accumulator_value=0.1"),
+        (torch.optim.Adagrad, {"lr": 0.1, "weight_decay": 0.1}, "weight_decay=0.1"),
+        (RowWiseAdagrad, {"lr": 0.1, "weight_decay": 0.1}, "weight_decay=0.1: FBGEMM's CPU kernel ignores it"),
+        (torch.optim.Adam, {"lr": 0.1}, "Adam: FBGEMM has no kernel verified exact on cpu"),
+        (torch.optim.Adam, {"lr": 0.1, "amsgrad": True}, "Adam: "),
+        (torch.optim.RMSprop, {"lr": 0.1}, "RMSprop: "),
+    ],
+)
+def test_what_fbgemm_cannot_reproduce_goes_to_the_fallback_with_the_reason(cls, kwargs, reason):
+    choice = choose_kernel(cls, kwargs, "cpu")
+    assert not choice.fused and choice.fbgemm_kwargs == {}
+    assert reason in choice.reason
+
+
+def test_refusals_name_the_table():
+    with pytest.raises(ValueError, match="table 't3': LBFGS needs a closure"):
+        choose_kernel(torch.optim.LBFGS, {}, "cpu", table="t3")
+    with pytest.raises(ValueError, match="table 't3': no optimizer rules for device type 'mtia'"):
+        choose_kernel(torch.optim.SGD, {"lr": 0.1}, "mtia", table="t3")
+    with pytest.raises(ValueError, match=r"fused_params \['learning_rate', 'optimizer'\] set an optimizer"):
+        sharders.EmbeddingBagCollectionSharder(fused_params={"optimizer": "sgd", "learning_rate": 0.1})
+
+
+def test_docs_show_the_decision_table():
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "optimizers.md").read_text()
+    assert decision_table_markdown(DOC_EXAMPLES) in docs, "regenerate: python -m sharders.optimizer_table"
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_sharding_refuses_a_table_without_annotation(world_of_one):
+    with pytest.raises(ValueError, match="table 'bare' has no optimizer annotation"):
+        _build_with_bare(["ok", "bare"])
+
+
+def _build_with_bare(names):
+    from _models import ManyTableModel
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+
+    from overlap_optim import apply_optimizer_in_backward
+
+    model = ManyTableModel(names)
+    apply_optimizer_in_backward(torch.optim.SGD, model.ebc.embedding_bags["ok"].parameters(), {"lr": 0.1})
+    sharder = sharders.EmbeddingBagCollectionSharder()
+    plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu")).collective_plan(
+        model, [sharder], dist.group.WORLD
+    )
+    return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+
+
+def test_sharding_refuses_closure_optimizers_annotated_through_torch(world_of_one):
+    from _models import ManyTableModel
+
+    model = ManyTableModel(["t0"])
+    _apply_optimizer_in_backward(torch.optim.LBFGS, model.ebc.parameters(), {"lr": 0.1})
+    sharder = sharders.EmbeddingBagCollectionSharder()
+    with pytest.raises(ValueError, match="table 't0': LBFGS needs a closure in step"):
+        sharder.shard(model.ebc, _plan_for(model, sharder)["ebc"], _env(), torch.device("cpu"))
+
+
+def test_sharding_refuses_rowwise_adagrad_split_into_column_shards(world_of_one):
+    with pytest.raises(ValueError, match="table 'rw': RowWiseAdagrad keeps one accumulator per whole row"):
+        build(["rw"], [(RowWiseAdagrad, {"lr": 0.1})], "column_wise", 1)
+
+
+def _plan_for(model, sharder):
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+
+    return EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu")).collective_plan(
+        model, [sharder], dist.group.WORLD
+    ).plan
+
+
+def _env():
+    from torchrec.distributed.types import ShardingEnv
+
+    return ShardingEnv.from_process_group(dist.group.WORLD)

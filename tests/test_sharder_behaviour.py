@@ -1,0 +1,59 @@
+"""Sharder behaviour beyond parity: grouping, collectives, lazy rows, describe(), coverage (2 ranks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from _multiprocess import run_ranks
+from _sharded_parity import behaviour
+
+ALL_TABLES = {f"ebc.embedding_bags.t{i}.weight" for i in range(6)}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(behaviour, timeout=600)
+
+
+def test_collectives_per_step_do_not_grow_with_distinct_settings(results):
+    for rank in results:
+        grouping = rank["grouping"]
+        assert grouping["collectives_one"] > 0
+        assert grouping["collectives_six"] == grouping["collectives_one"]
+
+
+def test_one_kernel_per_distinct_setting_and_describe_says_why(results):
+    one, six = results[0]["grouping"]["describe_one"], results[0]["grouping"]["describe_six"]
+    assert results[1]["grouping"]["describe_six"] == six  # every rank gets the whole table
+    one_rows = [r for r in one.splitlines()[2:]]
+    assert len(one_rows) == 2 and all("SGD(lr=0.1) | fused EXACT_SGD" in r for r in one_rows)  # one kernel a rank
+    rows = six.splitlines()[2:]
+    assert len(rows) == 6, six  # six settings, six kernels
+    tables = sorted(r.split(" | ")[4] for r in rows)
+    assert tables == [f"t{i}" for i in range(6)]
+    assert sum("fused EXACT_SGD" in r for r in rows) == 2
+    assert sum("fused EXACT_ADAGRAD" in r for r in rows) == 1
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "optimizers.md").read_text()
+    assert six in docs, "docs/optimizers.md shows an outdated describe() output"
+    fallback = [r for r in rows if "fallback" in r]
+    assert len(fallback) == 3
+    assert all("FBGEMM has no kernel verified exact on cpu" in r for r in fallback)
+
+
+def test_get_optimizers_covers_fused_and_fallback_tables_by_unsharded_fqn(results):
+    keys = set(results[0]["grouping"]["param_keys"]) | set(results[1]["grouping"]["param_keys"])
+    assert keys == ALL_TABLES
+    stepped = set(results[0]["grouping"]["stepped_keys"]) | set(results[1]["grouping"]["stepped_keys"])
+    # Plain SGD keeps no state; the other four settings do.
+    assert stepped == ALL_TABLES - {"ebc.embedding_bags.t0.weight", "ebc.embedding_bags.t1.weight"}
+
+
+@pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise"])
+def test_untouched_rows_and_their_state_do_not_change(results, sharding_type):
+    per_rank = [r["lazy"][sharding_type] for r in results]
+    assert all(r["moved_untouched"] == [] for r in per_rank)
+    assert all(r["state_changed"] == [] for r in per_rank)
+    assert max(r["moved_touched"] for r in per_rank) > 1e-3, "nothing moved: the check proves nothing"
+    assert any(r["adam_state_names"] == ["exp_avg", "exp_avg_sq", "step"] for r in per_rank)
