@@ -6,6 +6,7 @@ annotated parameter into one keyed, checkpointable optimizer with
 """
 
 from overlap_optim.annotation import AnnotationGroup, apply_optimizer_in_backward, materialize
+from overlap_optim.ddp import register_optimizer_hook
 from overlap_optim.keyed import InBackwardOptimizer, get_optimizers
 
 __all__ = [
@@ -14,4 +15,5 @@ __all__ = [
     "apply_optimizer_in_backward",
     "get_optimizers",
     "materialize",
+    "register_optimizer_hook",
 ]

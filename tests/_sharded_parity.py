@@ -17,13 +17,21 @@ from overlap_optim import apply_optimizer_in_backward
 COLUMN_SPLITTING = ("column_wise", "table_column_wise")
 
 
-def build(names, settings, sharding_type, world_size, sharder=None):
-    """(sharded DMP model, unsharded reference, reference optimizers) from one seed."""
+def build(names, settings, sharding_type, world_size, sharder=None, dense=None):
+    """(sharded DMP model, unsharded reference, reference optimizers) from one seed.
+
+    ``dense=(cls, kwargs)`` also annotates the MLP and wraps it with our DataParallelWrapper.
+    """
     model = ManyTableModel(names)
     reference = copy.deepcopy(model)
     for name, (cls, kwargs) in zip(names, settings):
         apply_optimizer_in_backward(cls, model.ebc.embedding_bags[name].parameters(), kwargs)
     ref_opts = [cls(reference.ebc.embedding_bags[n].parameters(), **kw) for n, (cls, kw) in zip(names, settings)]
+    wrapper = {}
+    if dense is not None:
+        apply_optimizer_in_backward(dense[0], model.dense.parameters(), dense[1])
+        ref_opts.append(dense[0](reference.dense.parameters(), **dense[1]))
+        wrapper = {"data_parallel_wrapper": sharders.DataParallelWrapper()}
     sharder = sharder or sharders.EmbeddingBagCollectionSharder()
     constraints = {
         n: ParameterConstraints(sharding_types=[sharding_type], min_partition=4) for n in names
@@ -33,7 +41,7 @@ def build(names, settings, sharding_type, world_size, sharder=None):
         constraints=constraints,
     )
     plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder], **wrapper)
     with torch.no_grad():  # sharding re-initialises tables: start both from the reference's weights
         for name in names:
             ref = reference.ebc.embedding_bags[name].weight
@@ -51,6 +59,10 @@ def local_pieces(dmp, name):
 
 
 def compare(dmp, reference, names, step, atol=1e-5):
+    state = dmp.state_dict()
+    for name, ref in reference.dense.named_parameters():
+        diff = (state[f"dense.{name}"] - ref.detach()).abs().max().item()
+        assert diff <= atol, f"step {step}, dense.{name}: max diff {diff:.3g} from torch.optim"
     for name in names:
         ref = reference.ebc.embedding_bags[name].weight.detach()
         for row, col, piece in local_pieces(dmp, name):
@@ -59,11 +71,12 @@ def compare(dmp, reference, names, step, atol=1e-5):
             assert diff <= atol, f"step {step}, table {name}: max diff {diff:.3g} from torch.optim"
 
 
-def train_and_compare(rank, world_size, names, settings, sharding_type, steps=3, cover=True):
+def train_and_compare(rank, world_size, names, settings, sharding_type, steps=3, cover=True, dense=None):
     """Train sharded and reference side by side; compare after every step. Returns how far
-    the reference moved, per table."""
-    dmp, reference, ref_opts = build(names, settings, sharding_type, world_size)
+    the reference moved, per table (and ``"dense"``: the MLP)."""
+    dmp, reference, ref_opts = build(names, settings, sharding_type, world_size, dense=dense)
     start = {n: reference.ebc.embedding_bags[n].weight.detach().clone() for n in names}
+    dense_start = [p.detach().clone() for p in reference.dense.parameters()]
     compare(dmp, reference, names, "before training", atol=0.0)
     for step in range(steps):
         generator = torch.Generator().manual_seed(100 + step)
@@ -74,7 +87,9 @@ def train_and_compare(rank, world_size, names, settings, sharding_type, steps=3,
             opt.step()
         reference.zero_grad()
         compare(dmp, reference, names, step)
-    return {n: (reference.ebc.embedding_bags[n].weight.detach() - start[n]).abs().max().item() for n in names}
+    moved = {n: (reference.ebc.embedding_bags[n].weight.detach() - start[n]).abs().max().item() for n in names}
+    moved["dense"] = min((p.detach() - s).abs().max().item() for p, s in zip(reference.dense.parameters(), dense_start))
+    return moved
 
 
 SHARDING_TYPES = ("data_parallel", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
@@ -180,7 +195,14 @@ def _local(value):
 
 def behaviour(rank, world_size):
     """Every non-parity check that needs 2 ranks, in one spawned group."""
+    mixed = [("sgd", torch.optim.SGD, {"lr": 0.1}), ("adam", torch.optim.Adam, {"lr": 0.05})]
+    names, settings = [c[0] for c in mixed], [(c[1], c[2]) for c in mixed]
+    dense = (torch.optim.AdamW, {"lr": 0.02, "weight_decay": 0.1})
     return {
+        "with_dense": {
+            st: train_and_compare(rank, world_size, names, settings, st, dense=dense)
+            for st in ("table_wise", "data_parallel")
+        },
         "grouping": grouping_and_describe(rank, world_size),
         "lazy": {st: lazy_rows(rank, world_size, st) for st in ("table_wise", "row_wise")},
     }

@@ -131,3 +131,17 @@ def _env():
     from torchrec.distributed.types import ShardingEnv
 
     return ShardingEnv.from_process_group(dist.group.WORLD)
+
+
+def test_register_optimizer_hook_refusals(world_of_one):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from overlap_optim import register_optimizer_hook
+
+    with pytest.raises(TypeError, match="register_optimizer_hook takes a DistributedDataParallel, got Linear"):
+        register_optimizer_hook(torch.nn.Linear(2, 2))
+    ddp = DistributedDataParallel(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"comm must be one of \('allreduce', 'fp16', 'bf16'\), got 'int8'"):
+        register_optimizer_hook(ddp, comm="int8")
+    with pytest.raises(NotImplementedError, match="comm='bf16': compressed all-reduce is not supported yet"):
+        register_optimizer_hook(ddp, comm="bf16")

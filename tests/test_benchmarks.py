@@ -1,0 +1,25 @@
+"""The benchmarks run and write their report (smoke mode: no time is asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quick_benchmarks_write_report_and_json(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    fallback = results["benchmarks"]["fallback"]
+    assert set(fallback["timings"]) == {"dense", "sparse_adam", "fallback"}
+    assert all(v > 0 for v in fallback["ratios"].values())
+    assert len(fallback["scaling"]) == 3
+    report = (tmp_path / "report.md").read_text()
+    assert "dense / fallback (target >= 10)" in report and "quick smoke mode" in report
