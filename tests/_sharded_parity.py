@@ -149,6 +149,12 @@ def grouping_and_describe(rank, world_size):
     opt = overlap_optim.get_optimizers(dmp)
     out["stepped_keys"] = sorted(k for k, v in opt.state_dict()["state"].items() if v)
     out["param_keys"] = sorted(opt.params)
+    dp, _, _ = build(names, distinct, "data_parallel", world_size)
+    loss_of(dp, batch).backward()
+    dp_opt = overlap_optim.get_optimizers(dp)
+    out["dp_describe"] = sharders.describe(dp)
+    out["dp_stepped_keys"] = sorted(k for k, v in dp_opt.state_dict()["state"].items() if v)
+    out["dp_param_keys"] = sorted(dp_opt.params)
     return out
 
 

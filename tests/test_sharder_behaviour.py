@@ -50,6 +50,15 @@ def test_get_optimizers_covers_fused_and_fallback_tables_by_unsharded_fqn(result
     assert stepped == ALL_TABLES - {"ebc.embedding_bags.t0.weight", "ebc.embedding_bags.t1.weight"}
 
 
+def test_data_parallel_tables_are_covered_and_described(results):
+    for rank in results:
+        grouping = rank["grouping"]
+        assert set(grouping["dp_param_keys"]) == ALL_TABLES  # replicated: every rank has every table
+        assert set(grouping["dp_stepped_keys"]) == ALL_TABLES - {"ebc.embedding_bags.t0.weight", "ebc.embedding_bags.t1.weight"}
+    rows = results[0]["grouping"]["dp_describe"].splitlines()[2:]
+    assert rows and all("data_parallel" in r and "torch.optim after all-reduce (DDP hook)" in r for r in rows)
+
+
 @pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise"])
 def test_untouched_rows_and_their_state_do_not_change(results, sharding_type):
     per_rank = [r["lazy"][sharding_type] for r in results]

@@ -29,6 +29,7 @@ CASES = [
     ("adamw", torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1}),
     ("rmsprop", torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5}),
     ("rowwise_adagrad", RowWiseAdagrad, {"lr": 0.2}),
+    ("rowwise_adagrad_wd", RowWiseAdagrad, {"lr": 0.2, "weight_decay": 0.05}),  # FBGEMM CPU drops wd
 ]
 
 
