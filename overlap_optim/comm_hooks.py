@@ -1,8 +1,11 @@
 """DDP communication hooks that run in-backward optimizers after the all-reduce.
 
-A bucket's gradients are all-reduced and averaged first; only then do the
-annotated optimizers of that bucket's parameters step, so every rank applies
-the same update as one process on the global batch would.
+A bucket's gradients are reduced (plainly, or as an fp16/bf16 copy) and
+averaged first; only then do the annotated optimizers of that bucket's
+parameters step, in one foreach update per compatible set
+(:mod:`overlap_optim.fused_step`), so every rank applies the update one process
+would on the global batch. When backward ends, the gradients of the stepped
+parameters are set to None; unannotated parameters keep their averaged gradient.
 
 A DDP-managed tensor may stand for several annotated parameters: TorchRec keeps
 the data-parallel tables of one kernel in one flat tensor, and each table is a
@@ -15,46 +18,69 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.autograd import Variable
 
-from overlap_optim.annotation import step_param
+from overlap_optim.fused_step import step_params
 
-__all__ = ["OptimizerHookState", "optimizer_hook"]
+__all__ = ["OptimizerHookState", "optimizer_hook", "COMM_DTYPES"]
 
 # (annotated parameter, function from the managed tensor's gradient to its own)
 Target = tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
+COMM_DTYPES = {"allreduce": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class OptimizerHookState:
-    """What :func:`optimizer_hook` needs: the group, and the annotated targets.
+    """What :func:`optimizer_hook` needs.
 
     Args:
         process_group: the group DDP reduces over (None: the default group).
         targets: ``id(managed tensor) -> [(annotated param, grad view fn), ...]``.
+        managed: the managed tensors whose gradient is released after backward.
+        comm: "allreduce", "fp16" or "bf16".
     """
 
-    __slots__ = ("process_group", "world_size", "targets")
+    __slots__ = ("process_group", "world_size", "targets", "managed", "comm_dtype", "release_queued")
 
-    def __init__(self, process_group: dist.ProcessGroup | None, targets: dict[int, list[Target]]) -> None:
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None,
+        targets: dict[int, list[Target]],
+        managed: list[torch.Tensor],
+        comm: str = "allreduce",
+    ) -> None:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.targets = targets
+        self.managed = managed
+        self.comm_dtype = COMM_DTYPES[comm]
+        self.release_queued = False
+
+    def release(self) -> None:
+        """At the end of backward (after DDP's own finalisation): drop the stepped gradients."""
+        for param in self.managed:
+            param.grad = None
+        self.release_queued = False
 
 
 def optimizer_hook(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """All-reduce and average the bucket, then step the annotated parameters in it."""
+    """Reduce and average the bucket, then step the annotated parameters in it."""
     buffer = bucket.buffer()
-    buffer.div_(state.world_size)
-    future = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()
+    sent = buffer if state.comm_dtype is None else buffer.to(state.comm_dtype)
+    sent.div_(state.world_size)
+    future = dist.all_reduce(sent, group=state.process_group, async_op=True).get_future()
+    if not state.release_queued:
+        Variable._execution_engine.queue_callback(state.release)
+        state.release_queued = True
 
     def step(done: torch.futures.Future) -> torch.Tensor:
-        reduced = done.value()[0]
+        if state.comm_dtype is not None:
+            buffer.copy_(done.value()[0])
+        stepped = []
         for param, grad in zip(bucket.parameters(), bucket.gradients()):
             for target, view in state.targets.get(id(param), ()):
-                target.grad = own = view(grad)
-                step_param(target)
-                # DDP points the managed gradient back at the bucket after backward,
-                # and the next backward adds to it: leave zeros there, not this step's.
-                own.zero_()
-        return reduced
+                target.grad = view(grad)
+                stepped.append(target)
+        step_params(stepped)
+        return buffer
 
     return future.then(step)

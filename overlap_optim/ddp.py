@@ -6,12 +6,9 @@ import torch
 from torch.distributed.optim.apply_optimizer_in_backward import param_to_optim_hook_handle_map
 from torch.nn.parallel import DistributedDataParallel
 
-from overlap_optim.comm_hooks import OptimizerHookState, optimizer_hook
+from overlap_optim.comm_hooks import COMM_DTYPES, OptimizerHookState, optimizer_hook
 
 __all__ = ["register_optimizer_hook"]
-
-_COMMS = ("allreduce", "fp16", "bf16")
-
 
 def register_optimizer_hook(ddp_model: DistributedDataParallel, comm: str = "allreduce") -> OptimizerHookState:
     """Make ``ddp_model`` step its parameters' annotated optimizers after their all-reduce.
@@ -37,27 +34,35 @@ def register_optimizer_hook(ddp_model: DistributedDataParallel, comm: str = "all
     Raises:
         TypeError: ``ddp_model`` is not a ``DistributedDataParallel``.
         ValueError: ``comm`` is unknown.
-        NotImplementedError: ``comm`` is not "allreduce" (compression lands with the
-            dense-hook work; it is refused rather than ignored).
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"register_optimizer_hook takes a DistributedDataParallel, got {type(ddp_model).__name__}")
-    if comm not in _COMMS:
-        raise ValueError(f"comm must be one of {_COMMS}, got {comm!r}")
-    if comm != "allreduce":
-        raise NotImplementedError(f"comm={comm!r}: compressed all-reduce is not supported yet; use 'allreduce'")
-    targets = {}
+    if comm not in COMM_DTYPES:
+        raise ValueError(f"comm must be one of {tuple(COMM_DTYPES)}, got {comm!r}")
+    targets, managed = {}, []
     for param in ddp_model._module_parameters:
         if getattr(param, "_overlap_group", None) is None:
             continue
         for handle in param_to_optim_hook_handle_map.pop(param, []):
             handle.remove()
         targets[id(param)] = [(param, _same)]
-    # DDP's lazy init only installs its own in-backward hook; mark it done (pinned by a test).
-    ddp_model._lazy_init_ran = True
-    state = OptimizerHookState(ddp_model.process_group, targets)
-    ddp_model.register_comm_hook(state, optimizer_hook)
+        managed.append(param)
+    state = OptimizerHookState(ddp_model.process_group, targets, managed, comm)
+    install_optimizer_hook(ddp_model, state)
     return state
+
+
+def install_optimizer_hook(ddp_model: DistributedDataParallel, state: OptimizerHookState) -> None:
+    """Register :func:`optimizer_hook` with ``state`` in place of DDP's own in-backward path.
+
+    Two private DDP switches, both pinned by the parity tests: DDP's lazy init
+    only installs its own (CPU-crashing) in-backward hook, so it is marked done;
+    and the reducer is told an optimizer consumes the gradients in backward, so
+    that gradients released to None are rebuilt from the bucket each step.
+    """
+    ddp_model._lazy_init_ran = True
+    ddp_model.register_comm_hook(state, optimizer_hook)
+    ddp_model.reducer._set_optimizer_in_backward()
 
 
 def _same(grad: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from overlap_optim.annotation import AnnotationGroup
-from overlap_optim.comm_hooks import OptimizerHookState, optimizer_hook
+from overlap_optim.comm_hooks import OptimizerHookState
+from overlap_optim.ddp import install_optimizer_hook
 from sharders.fallback import FallbackEmbeddingBag
 from sharders.optimizer_table import KernelChoice, choose_kernel
 
@@ -207,13 +208,15 @@ def _install_data_parallel_hooks(
         if not isinstance(lookup, DistributedDataParallel):
             continue
         targets: dict[int, list] = {}
+        managed = []
         for kernel in lookup.module._emb_modules:
             flat = kernel.emb_module.weights
+            managed.append(flat)
             for table, view in _table_views(kernel):
                 weight = sharded.embedding_bags[table].weight
                 _attach(weight, decisions[table].group)
                 targets.setdefault(id(flat), []).append((weight, view))
-        lookup.register_comm_hook(OptimizerHookState(env.process_group, targets), optimizer_hook)
+        install_optimizer_hook(lookup, OptimizerHookState(env.process_group, targets, managed))
 
 
 def _table_views(kernel: nn.Module) -> Iterator[tuple[str, Any]]:
