@@ -62,6 +62,20 @@ class OptimizerHookState:
         self.release_queued = False
 
 
+def _keep_averaged(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """An unannotated parameter gets its averaged gradient, as under plain DDP.
+
+    The reducer leaves gradients alone once told an optimizer runs in backward,
+    so the copy DDP would make from the bucket is made here.
+    """
+    if param.grad is grad:  # gradient_as_bucket_view: already the averaged view
+        return
+    if param.grad is None:
+        param.grad = grad.detach().clone()
+    else:
+        param.grad.copy_(grad)
+
+
 def optimizer_hook(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Reduce and average the bucket, then step the annotated parameters in it."""
     buffer = bucket.buffer()
@@ -77,7 +91,10 @@ def optimizer_hook(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.
             buffer.copy_(done.value()[0])
         stepped = []
         for param, grad in zip(bucket.parameters(), bucket.gradients()):
-            for target, view in state.targets.get(id(param), ()):
+            targets = state.targets.get(id(param))
+            if targets is None:
+                _keep_averaged(param, grad)
+            for target, view in targets or ():
                 target.grad = view(grad)
                 stepped.append(target)
         step_params(stepped)

@@ -28,9 +28,9 @@ def build(names, settings, sharding_type, world_size, sharder=None, dense=None):
         apply_optimizer_in_backward(cls, model.ebc.embedding_bags[name].parameters(), kwargs)
     ref_opts = [cls(reference.ebc.embedding_bags[n].parameters(), **kw) for n, (cls, kw) in zip(names, settings)]
     wrapper = {}
-    if dense is not None:
-        apply_optimizer_in_backward(dense[0], model.dense.parameters(), dense[1])
-        ref_opts.append(dense[0](reference.dense.parameters(), **dense[1]))
+    if dense is not None:  # dense[0] annotated; dense[2] left to a user optimizer
+        apply_optimizer_in_backward(dense[0], model.dense[0].parameters(), dense[1])
+        ref_opts.append(dense[0](reference.dense[0].parameters(), **dense[1]))
         wrapper = {"data_parallel_wrapper": sharders.DataParallelWrapper()}
     sharder = sharder or sharders.EmbeddingBagCollectionSharder()
     constraints = {
@@ -77,15 +77,21 @@ def train_and_compare(rank, world_size, names, settings, sharding_type, steps=3,
     dmp, reference, ref_opts = build(names, settings, sharding_type, world_size, dense=dense)
     start = {n: reference.ebc.embedding_bags[n].weight.detach().clone() for n in names}
     dense_start = [p.detach().clone() for p in reference.dense.parameters()]
+    users = []
+    if dense is not None:
+        ours = [p for n, p in dmp.named_parameters() if n.startswith("dense.2.")]
+        users = [torch.optim.SGD(ours, lr=0.1), torch.optim.SGD(reference.dense[2].parameters(), lr=0.1)]
     compare(dmp, reference, names, "before training", atol=0.0)
     for step in range(steps):
         generator = torch.Generator().manual_seed(100 + step)
         parts = [covering_batch(names, generator, cover=cover) for _ in range(world_size)]
         loss_of(dmp, parts[rank]).backward()
         loss_of(reference, concat_batches(parts)).backward()
-        for opt in ref_opts:
+        for opt in ref_opts + users:
             opt.step()
         reference.zero_grad()
+        if users:
+            users[0].zero_grad()
         compare(dmp, reference, names, step)
     moved = {n: (reference.ebc.embedding_bags[n].weight.detach() - start[n]).abs().max().item() for n in names}
     moved["dense"] = min((p.detach() - s).abs().max().item() for p, s in zip(reference.dense.parameters(), dense_start))

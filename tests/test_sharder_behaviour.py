@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from _multiprocess import run_ranks
+from overlap_optim.testing import run_ranks
 from _sharded_parity import behaviour
 
 ALL_TABLES = {f"ebc.embedding_bags.t{i}.weight" for i in range(6)}

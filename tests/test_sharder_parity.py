@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-from _multiprocess import run_ranks
+from overlap_optim.testing import run_ranks
 from _sharded_parity import SHARDING_TYPES, matrix
 
 CASES = [

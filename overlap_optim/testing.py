@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks in spawned processes (not collected by pytest).
+"""Run a function on N gloo ranks in spawned processes: for tests and benchmarks.
 
 Each rank runs ``fn(rank, world_size, *args)``. A rank's exception comes back to
 the parent with its traceback; ranks that outlive the timeout are killed.
@@ -14,6 +14,8 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+__all__ = ["run_ranks"]
 
 
 def _free_port() -> int:
