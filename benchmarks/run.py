@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import fallback
+from benchmarks import dense_hook, fallback
 
 log = logging.getLogger("benchmarks")
-BENCHMARKS = {"fallback": fallback.run}
+BENCHMARKS = {"fallback": fallback.run, "dense_hook": dense_hook.run}
 
 
 def main() -> None:
@@ -31,6 +31,7 @@ def main() -> None:
     handler.setFormatter(logging.Formatter("%(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
+    log.propagate = False
     torch.set_num_threads(2)
     args.out.mkdir(parents=True, exist_ok=True)
     results = {"machine": _machine(), "quick": args.quick, "benchmarks": {}}

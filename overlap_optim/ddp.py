@@ -34,6 +34,9 @@ def register_optimizer_hook(ddp_model: DistributedDataParallel, comm: str = "all
     Raises:
         TypeError: ``ddp_model`` is not a ``DistributedDataParallel``.
         ValueError: ``comm`` is unknown.
+        NotImplementedError: ``find_unused_parameters=True`` with annotated
+            parameters: DDP hands an unused parameter a zero gradient, and its
+            optimizer would step on it where ``torch.optim`` skips it.
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"register_optimizer_hook takes a DistributedDataParallel, got {type(ddp_model).__name__}")
@@ -47,6 +50,12 @@ def register_optimizer_hook(ddp_model: DistributedDataParallel, comm: str = "all
             handle.remove()
         targets[id(param)] = [(param, _same)]
         managed.append(param)
+    if targets and ddp_model.find_unused_parameters:
+        raise NotImplementedError(
+            "find_unused_parameters=True with in-backward optimizers: DDP gives an unused parameter a "
+            "zero gradient and its optimizer would step on it (torch.optim skips it); wrap with "
+            "find_unused_parameters=False, or leave the parameters that may go unused unannotated"
+        )
     state = OptimizerHookState(ddp_model.process_group, targets, managed, comm)
     install_optimizer_hook(ddp_model, state)
     return state

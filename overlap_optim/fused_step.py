@@ -1,4 +1,4 @@
-"""One multi-tensor (foreach) update for many annotated parameters at once.
+"""One fused or multi-tensor update for many annotated parameters at once.
 
 Parameters whose optimizer class and non-float settings agree (Adam's amsgrad,
 SGD's nesterov, RMSprop's centered, ...) are stepped together, each with its own
@@ -6,8 +6,10 @@ float hyperparameters (lr, betas, eps, weight_decay, momentum): foreach ops take
 a list of scalars. That gives virtual parameter groups: three learning rates on
 300 parameters cost one update, not 300 Python-level steps.
 
-The math is ``torch.optim``'s own multi-tensor path, op for op, with scalars
-made lists; state lives in each parameter's live optimizer under torch's names,
+The math is ``torch.optim``'s own: for Adam and AdamW its fused kernel, called
+once per distinct set of float hyperparameters (three learning rates, three
+calls); for SGD and RMSprop its multi-tensor path, op for op, with scalars made
+lists. State lives in each parameter's live optimizer under torch's names,
 so checkpoints and ``get_optimizers`` see no difference. Classes or settings
 not listed here (and ``foreach``/``fused``/``capturable``/``differentiable``
 set by the user) fall back to the parameter's own ``torch.optim`` step.
@@ -87,34 +89,24 @@ def _zeros(states: list[dict], params: list[torch.Tensor], name: str) -> list[to
 
 
 def _adam(params, grads, states, hypers, amsgrad: bool, maximize: bool, decoupled: bool) -> None:
-    if maximize:
-        grads = torch._foreach_neg(grads)
+    """torch's fused Adam kernel, one call per distinct set of float hyperparameters."""
     exp_avgs, exp_avg_sqs = _zeros(states, params, "exp_avg"), _zeros(states, params, "exp_avg_sq")
     max_sqs = _zeros(states, params, "max_exp_avg_sq") if amsgrad else []
     steps = _step_counts(states, params)
-    lrs = [float(h["lr"]) for h in hypers]
-    beta1s = [float(h["betas"][0]) for h in hypers]
-    beta2s = [float(h["betas"][1]) for h in hypers]
-    wds = [float(h["weight_decay"]) for h in hypers]
-    if any(wds):
-        if decoupled:
-            torch._foreach_mul_(params, [1 - lr * wd for lr, wd in zip(lrs, wds)])
-        else:
-            grads = torch._foreach_add(grads, torch._foreach_mul(params, wds))
-    torch._foreach_lerp_(exp_avgs, grads, [1 - b for b in beta1s])
-    torch._foreach_mul_(exp_avg_sqs, beta2s)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, [1 - b for b in beta2s])
-    counts = [float(s) for s in steps]
-    step_sizes = [-(lr / (1 - b1**n)) for lr, b1, n in zip(lrs, beta1s, counts)]
-    bc2_sqrt = [(1 - b2**n) ** 0.5 for b2, n in zip(beta2s, counts)]
-    if amsgrad:
-        torch._foreach_maximum_(max_sqs, exp_avg_sqs)
-        denom = torch._foreach_sqrt(max_sqs)
-    else:
-        denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, bc2_sqrt)
-    torch._foreach_add_(denom, [float(h["eps"]) for h in hypers])
-    torch._foreach_addcdiv_(params, exp_avgs, denom, step_sizes)
+    floats: dict[tuple[float, ...], list[int]] = {}
+    for i, h in enumerate(hypers):
+        key = (float(h["lr"]), float(h["betas"][0]), float(h["betas"][1]), float(h["weight_decay"]), float(h["eps"]))
+        floats.setdefault(key, []).append(i)
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    for (lr, beta1, beta2, weight_decay, eps), index in floats.items():
+        def pick(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [tensors[i] for i in index] if tensors else []
+
+        kernel(
+            pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), pick(max_sqs), pick(steps),
+            lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+            amsgrad=amsgrad, maximize=maximize,
+        )
 
 
 def _sgd(params, grads, states, hypers, nesterov: bool, maximize: bool, has_momentum: bool) -> None:

@@ -21,5 +21,8 @@ def test_quick_benchmarks_write_report_and_json(tmp_path):
     assert set(fallback["timings"]) == {"dense", "sparse_adam", "fallback"}
     assert all(v > 0 for v in fallback["ratios"].values())
     assert len(fallback["scaling"]) == 3
+    dense = results["benchmarks"]["dense_hook"]
+    assert {"ours (batch 16)", "torch_in_backward (batch 16)", "ddp_foreach (batch 16)"} <= set(dense["timings"])
+    assert set(dense["peak_rss_kib"]) == {"ours", "torch_in_backward", "ddp_foreach"}
     report = (tmp_path / "report.md").read_text()
     assert "dense / fallback (target >= 10)" in report and "quick smoke mode" in report

@@ -136,10 +136,14 @@ def _env():
 def test_register_optimizer_hook_refusals(world_of_one):
     from torch.nn.parallel import DistributedDataParallel
 
-    from overlap_optim import register_optimizer_hook
+    from overlap_optim import apply_optimizer_in_backward, register_optimizer_hook
 
     with pytest.raises(TypeError, match="register_optimizer_hook takes a DistributedDataParallel, got Linear"):
         register_optimizer_hook(torch.nn.Linear(2, 2))
     ddp = DistributedDataParallel(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"comm must be one of \('allreduce', 'fp16', 'bf16'\), got 'int8'"):
         register_optimizer_hook(ddp, comm="int8")
+    model = torch.nn.Linear(2, 2)
+    apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
+    with pytest.raises(NotImplementedError, match="find_unused_parameters=True with in-backward optimizers"):
+        register_optimizer_hook(DistributedDataParallel(model, find_unused_parameters=True))
