@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from overlap_optim import apply_optimizer_in_backward, register_optimizer_hook
+from overlap_optim import apply_optimizer_in_backward, get_optimizers, register_optimizer_hook
 
 
 def tower(seed: int = 0) -> nn.Sequential:
@@ -61,10 +61,20 @@ def _max_diff(a: nn.Module, b: nn.Module) -> float:
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
 
-def parity(rank, case, comm="allreduce", bucket_cap_mb=25.0, unannotated_bias=False, steps=4, accumulate=1):
+def parity(rank, case, comm="allreduce", bucket_cap_mb=25.0, unannotated_bias=False, steps=4, accumulate=1,
+           schedule=None):
     """Train ours and plain DDP + torch.optim side by side; returns per-step max diffs,
-    how far the reference moved, and whether annotated grads were None after backward."""
+    how far the reference moved, and whether annotated grads were None after backward.
+
+    ``schedule``: an LR lambda applied through ``get_optimizers`` on our side and to
+    every reference optimizer.
+    """
     ours, ref, ref_opts, user = _pair(CASES[case], comm, bucket_cap_mb, unannotated_bias)
+    schedulers = []
+    if schedule is not None:
+        keyed = get_optimizers(ours.module)
+        schedulers = [torch.optim.lr_scheduler.LambdaLR(keyed, schedule)]
+        schedulers += [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in ref_opts]
     start = copy.deepcopy(ref.module)
     diffs, grads_none, user_grad_ok = [], True, True
     for step in range(steps):
@@ -86,9 +96,15 @@ def parity(rank, case, comm="allreduce", bucket_cap_mb=25.0, unannotated_bias=Fa
         for opt in ref_opts:
             opt.step()
             opt.zero_grad()
+        for scheduler in schedulers:
+            scheduler.step()
         diffs.append(_max_diff(ours.module, ref.module))
     return {"diffs": diffs, "moved": _max_diff(ref.module, start), "grads_none": grads_none,
             "user_grad_ok": user_grad_ok}
+
+
+def _warmup_then_decay(step: int) -> float:
+    return (step + 1) / 3 if step < 3 else 0.5 ** (step - 2)
 
 
 class _nothing:
@@ -106,6 +122,7 @@ def all_checks(rank, world_size):
     out["fp16"] = parity(rank, "sgd_momentum", comm="fp16")
     out["bf16"] = parity(rank, "sgd_momentum", comm="bf16")
     out["accumulate_3"] = parity(rank, "adam", accumulate=3)
+    out["scheduled"] = parity(rank, "three_lrs_two_classes", schedule=_warmup_then_decay, steps=6)
     out["buckets_seen"] = _bucket_count(bucket_cap_mb=0.0002)
     return out
 

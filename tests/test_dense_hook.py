@@ -18,7 +18,7 @@ def results():
     return run_ranks(all_checks, timeout=600)
 
 
-@pytest.mark.parametrize("case", [*CASES, "multi_bucket", "unannotated_bias", "accumulate_3"])
+@pytest.mark.parametrize("case", [*CASES, "multi_bucket", "unannotated_bias", "accumulate_3", "scheduled"])
 def test_matches_plain_ddp_and_torch_optim_every_step(results, case):
     for rank in results:
         outcome = rank[case]

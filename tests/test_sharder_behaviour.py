@@ -73,3 +73,10 @@ def test_annotated_dense_layers_in_dmp_step_after_the_all_reduce(results):
     for sharding_type in ("table_wise", "data_parallel"):
         moved = results[0]["with_dense"][sharding_type]
         assert moved["dense"] > 1e-4 and moved["adam"] > 1e-3, (sharding_type, moved)
+
+
+def test_data_parallel_wrapper_compresses_when_asked(results):
+    """allreduce_comm_precision="bf16" reaches our hook: close to torch.optim, yet not equal."""
+    for rank in results:
+        outcome = rank["with_dense_bf16"]
+        assert 1e-7 < outcome["dense_diff"] <= 1e-3, outcome
