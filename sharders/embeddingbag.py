@@ -108,7 +108,26 @@ class EmbeddingBagCollectionSharder(_TorchRecSharder):
             params[:] = [p for p in params if p is not unsharded]
         _install_data_parallel_hooks(sharded, decisions, env)
         sharded._overlap_decisions = decisions
+        sharded.register_forward_pre_hook(_sync_fused_learning_rates)
         return sharded
+
+
+def _sync_fused_learning_rates(sharded: ShardedEmbeddingBagCollection, _inputs: Any) -> None:
+    """Before each forward, give every fused kernel its group's current learning rate.
+
+    TorchRec applies a fused kernel's ``param_groups[0]["lr"]`` only in
+    ``optimizer.step()``, which runs after backward: an LR schedule would reach
+    the kernel one step late. Here it reaches the very next backward, as it does
+    for fallback, data-parallel and dense parameters.
+    """
+    for _, optimizer in sharded._optim._optims:
+        emb_module = getattr(optimizer, "_emb_module", None)
+        if emb_module is None:
+            continue
+        lr = float(optimizer.param_groups[0]["lr"])
+        if getattr(optimizer, "_overlap_applied_lr", None) != lr:
+            emb_module.set_learning_rate(lr)
+            optimizer._overlap_applied_lr = lr
 
 
 def annotation_of(weight: torch.Tensor, table: str) -> AnnotationGroup:

@@ -10,6 +10,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 
+import overlap_optim
 import sharders
 from _models import ManyTableModel, concat_batches, covering_batch, loss_of
 from overlap_optim import apply_optimizer_in_backward
@@ -75,13 +76,24 @@ def compare(dmp, reference, names, step, atol=1e-5):
     return dense_diff
 
 
-def train_and_compare(rank, world_size, names, settings, sharding_type, steps=3, cover=True, dense=None, comm=None):
+def warmup_then_decay(step: int) -> float:
+    return (step + 1) / 4 if step < 4 else 0.7 ** (step - 3)
+
+
+def train_and_compare(
+    rank, world_size, names, settings, sharding_type, steps=3, cover=True, dense=None, comm=None, schedule=None
+):
     """Train sharded and reference side by side; compare after every step. Returns how far
     the reference moved, per table (and ``"dense"``: the MLP)."""
     dmp, reference, ref_opts = build(names, settings, sharding_type, world_size, dense=dense, comm=comm)
     atol, dense_diff = (1e-3 if comm else 1e-5), 0.0  # compression costs precision everywhere
     start = {n: reference.ebc.embedding_bags[n].weight.detach().clone() for n in names}
     dense_start = [p.detach().clone() for p in reference.dense.parameters()]
+    schedulers, keyed = [], None
+    if schedule is not None:  # one schedule through get_optimizers; the same on each reference optimizer
+        keyed = overlap_optim.get_optimizers(dmp)
+        schedulers = [torch.optim.lr_scheduler.LambdaLR(keyed, schedule)]
+        schedulers += [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in ref_opts]
     users = []
     if dense is not None:
         ours = [p for n, p in dmp.named_parameters() if n.startswith("dense.2.")]
@@ -92,8 +104,12 @@ def train_and_compare(rank, world_size, names, settings, sharding_type, steps=3,
         parts = [covering_batch(names, generator, cover=cover) for _ in range(world_size)]
         loss_of(dmp, parts[rank]).backward()
         loss_of(reference, concat_batches(parts)).backward()
+        if keyed is not None:
+            keyed.step()
         for opt in ref_opts + users:
             opt.step()
+        for scheduler in schedulers:
+            scheduler.step()
         reference.zero_grad()
         if users:
             users[0].zero_grad()
@@ -220,6 +236,13 @@ def behaviour(rank, world_size):
         "with_dense": {
             st: train_and_compare(rank, world_size, names, settings, st, dense=dense)
             for st in ("table_wise", "data_parallel")
+        },
+        "scheduled": {
+            st: train_and_compare(rank, world_size, ["sgd", "adagrad", "adam"],
+                                  [(torch.optim.SGD, {"lr": 0.1}), (torch.optim.Adagrad, {"lr": 0.2}),
+                                   (torch.optim.Adam, {"lr": 0.05})],
+                                  st, steps=10, dense=dense, schedule=warmup_then_decay)
+            for st in ("table_wise", "row_wise", "data_parallel")
         },
         "with_dense_bf16": train_and_compare(rank, world_size, names, settings, "table_wise", dense=dense, comm="bf16"),
         "grouping": grouping_and_describe(rank, world_size),
