@@ -7,7 +7,9 @@ the parent with its traceback; ranks that outlive the timeout are killed.
 from __future__ import annotations
 
 import os
+import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -26,14 +28,24 @@ def _free_port() -> int:
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    ok = False
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         results.put((rank, "ok", fn(rank, world_size, *args)))
+        ok = True
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # The result must be on the pipe before anything else can go wrong, and the
+    # teardown of gloo and DDP at interpreter exit has been seen to abort (SIGABRT)
+    # now and then: wait for every rank, then leave without that teardown.
+    results.close()
+    results.join_thread()
+    try:
+        if ok:
+            dist.barrier()
+    except Exception:  # noqa: BLE001 - a peer died; the parent reports it
+        ok = False
+    os._exit(0 if ok else 1)
 
 
 def run_ranks(fn: Callable, *args: Any, world_size: int = 2, timeout: float = 240.0) -> list[Any]:
@@ -50,22 +62,29 @@ def run_ranks(fn: Callable, *args: Any, world_size: int = 2, timeout: float = 24
     for p in procs:
         p.start()
     outcome: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, status, value = results.get(timeout=timeout)
+        while len(outcome) < world_size and time.monotonic() < deadline:
+            try:
+                rank, status, value = results.get(timeout=1.0)
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for i, p in enumerate(procs) if i not in outcome):
+                    break  # a rank died without a word (a crash, not an exception): stop waiting
+                continue
             outcome[rank] = (status, value)
             if status == "error":
                 break
-    except Exception:  # queue.Empty: someone hung
-        pass
     finally:
         for p in procs:
-            p.join(timeout=5)
+            p.join(timeout=10)
             if p.is_alive():
                 p.kill()
                 p.join()
     errors = [f"rank {r}:\n{v}" for r, (s, v) in sorted(outcome.items()) if s == "error"]
     assert not errors, "\n".join(errors)
     missing = sorted(set(range(world_size)) - set(outcome))
-    assert not missing, f"ranks {missing} gave no result within {timeout}s (exit codes {[p.exitcode for p in procs]})"
+    assert not missing, (
+        f"ranks {missing} gave no result (exit codes {[p.exitcode for p in procs]}; "
+        f"waited {timeout - max(deadline - time.monotonic(), 0):.0f}s of {timeout}s)"
+    )
     return [outcome[r][1] for r in range(world_size)]
