@@ -21,8 +21,7 @@ from torch.distributed.optim.apply_optimizer_in_backward import (
 
 __all__ = ["apply_optimizer_in_backward", "materialize", "AnnotationGroup"]
 
-# Keyword arguments of every torch.optim constructor that are not
-# hyperparameters of the update, and so must agree across a fused step.
+# Constructor arguments that are not settings a user may pass as kwargs.
 _CONSTRUCTOR_ONLY = ("params",)
 
 

@@ -226,12 +226,14 @@ def get_optimizers(model: torch.nn.Module) -> KeyedOptimizer:
 def _fused_optimizers(model: torch.nn.Module) -> list[tuple[str, KeyedOptimizer]]:
     """(path, optimizer) of the outermost modules that carry a ``fused_optimizer``."""
     found: list[tuple[str, KeyedOptimizer]] = []
-    taken: list[str] = []
     for path, module in model.named_modules():
-        if any(path == t or path.startswith(t + ".") for t in taken if t) or ("" in taken):
+        if any(_inside(path, outer) for outer, _ in found):
             continue
         optimizer = getattr(module, "fused_optimizer", None)
         if isinstance(optimizer, KeyedOptimizer):
             found.append((path, optimizer))
-            taken.append(path)
     return found
+
+
+def _inside(path: str, outer: str) -> bool:
+    return outer == "" or path == outer or path.startswith(outer + ".")

@@ -28,6 +28,9 @@ CASES = [
     ("adam_amsgrad", torch.optim.Adam, {"lr": 0.05, "amsgrad": True}),
     ("adamw", torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1}),
     ("rmsprop", torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5}),
+    ("adamax", torch.optim.Adamax, {"lr": 0.05}),
+    ("nadam", torch.optim.NAdam, {"lr": 0.05}),
+    ("radam", torch.optim.RAdam, {"lr": 0.05}),
     ("rowwise_adagrad", RowWiseAdagrad, {"lr": 0.2}),
     ("rowwise_adagrad_wd", RowWiseAdagrad, {"lr": 0.2, "weight_decay": 0.05}),  # FBGEMM CPU drops wd
 ]
