@@ -5,12 +5,14 @@ annotated parameter into one keyed, checkpointable optimizer with
 :func:`get_optimizers`.
 """
 
+from overlap_optim import checkpoint
 from overlap_optim.annotation import AnnotationGroup, apply_optimizer_in_backward, materialize
 from overlap_optim.ddp import register_optimizer_hook
 from overlap_optim.keyed import InBackwardOptimizer, get_optimizers
 
 __all__ = [
     "AnnotationGroup",
+    "checkpoint",
     "InBackwardOptimizer",
     "apply_optimizer_in_backward",
     "get_optimizers",

@@ -69,6 +69,10 @@ class InBackwardOptimizer(KeyedOptimizer):
         self._groups = list(groups.values())
         super().__init__(params, _LiveState(params), [g.param_group for g in self._groups])
         self.save_param_groups(True)
+        # Schedulers that cycle momentum (OneCycleLR, CyclicLR) look for it in the defaults.
+        for name in ("momentum", "betas"):
+            if self._groups and all(name in g.param_group for g in self._groups):
+                self.defaults[name] = self._groups[0].param_group[name]
         self._key_of = {param: key for key, param in params.items()}
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

@@ -14,11 +14,11 @@ TABLES = ("t0", "t1")
 class TinyModel(nn.Module):
     """Two EmbeddingBag tables (``ebc.embedding_bags["t0"|"t1"]``) and an MLP."""
 
-    def __init__(self, device: str | torch.device = "cpu", seed: int = 0) -> None:
+    def __init__(self, device: str | torch.device = "cpu", seed: int = 0, rows: int = ROWS) -> None:
         super().__init__()
         torch.manual_seed(seed)
         configs = [
-            EmbeddingBagConfig(name=t, embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f_{t}"])
+            EmbeddingBagConfig(name=t, embedding_dim=DIM, num_embeddings=rows, feature_names=[f"f_{t}"])
             for t in TABLES
         ]
         self.ebc = EmbeddingBagCollection(tables=configs, device=torch.device(device))

@@ -1,0 +1,243 @@
+"""Atomic checkpoints of a model, its keyed optimizer and extra state, on torch.distributed.checkpoint.
+
+A checkpoint directory holds one sub-directory per save, ``step-00000012``. Each
+is written under a temporary name and renamed only once complete (with a
+``COMPLETE`` marker inside), so a save killed at any point leaves the previous
+checkpoints as they were; :func:`load` takes the latest complete one.
+
+Loading validates everything before it changes anything: every key and shape is
+checked against the checkpoint's metadata, the data is read into scratch copies,
+and only then copied into the model, the optimizer and the extra objects. On
+any error the model, optimizer and extras are exactly as they were.
+
+Scope: unsharded models, in one process or replicated on every rank (DDP).
+Sharded models (``DistributedModelParallel``) are refused for now: their
+fallback tables' state is rank-local and would not survive a change of plan.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+__all__ = ["save", "load", "latest", "CheckpointError"]
+
+# DCP reports read failures as CheckpointException, a BaseException.
+_READ_ERRORS = (Exception, CheckpointException)
+_NAME = re.compile(r"^step-(\d{8,})$")
+_MARKER = "COMPLETE"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into this model; nothing was changed."""
+
+
+def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra: dict[str, Any] | None = None) -> Path:
+    """Save ``model``, ``optimizer`` and ``extra`` as the next checkpoint under ``path``.
+
+    Args:
+        path: the checkpoint directory (created if missing).
+        model: the model; its ``state_dict()`` is saved.
+        optimizer: ``overlap_optim.get_optimizers(model)`` (any object with
+            ``state_dict``/``load_state_dict`` whose state is keyed by name).
+        extra: more state by name: objects with ``state_dict()`` (an LR
+            scheduler) are saved through it, anything else as is. ``extra["step"]``
+            (an int) names the checkpoint; without it, the step is one more
+            than the latest checkpoint's.
+
+    Returns:
+        The directory of the new checkpoint.
+
+    Example:
+        >>> checkpoint.save("ckpt", model, opt, {"scheduler": sched, "step": step})
+    """
+    _refuse_sharded(model)
+    root = Path(path)
+    extra = dict(extra or {})
+    step = extra.get("step")
+    if step is None:
+        previous = latest(root)
+        step = 0 if previous is None else _step_of(previous) + 1
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"extra['step'] must be a non-negative int, got {step!r}")
+    extra["step"] = step
+    final = root / f"step-{step:08d}"
+    tmp = root / f".tmp-{final.name}-{_shared_token()}"
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "extra": _extra_states(extra)}
+    if _is_writer():
+        root.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    dcp.save(state, checkpoint_id=str(tmp))
+    _barrier()
+    if _is_writer():
+        (tmp / _MARKER).write_text(json.dumps({"step": step}))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    _barrier()
+    return final
+
+
+def latest(path: str | os.PathLike) -> Path | None:
+    """The latest complete checkpoint under ``path``, or None."""
+    root = Path(path)
+    if not root.is_dir():
+        return None
+    complete = [d for d in root.iterdir() if _NAME.match(d.name) and (d / _MARKER).is_file()]
+    return max(complete, key=_step_of, default=None)
+
+
+def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Load the latest complete checkpoint under ``path`` (or ``path`` itself, if it is one).
+
+    ``optimizer`` may be fresh: its lazy state is created first (``init_state``).
+    Objects in ``extra`` with ``load_state_dict`` (an LR scheduler) are restored in place.
+
+    Returns:
+        The saved extras, by name (``"step"`` included).
+
+    Raises:
+        CheckpointError: no complete checkpoint; keys missing or unexpected
+            (both listed); a shape that differs; another optimizer's state;
+            a truncated or corrupt file; a checkpoint of another model. Nothing
+            is changed.
+    """
+    _refuse_sharded(model)
+    directory = _resolve(Path(path))
+    init_state = getattr(optimizer, "init_state", None)
+    if callable(init_state):
+        init_state()
+    wanted = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    saved_extra = _read_extras(directory)
+    _check_against_metadata(directory, wanted)
+    scratch = _scratch_copy(wanted)
+    try:
+        dcp.load(scratch, checkpoint_id=str(directory))
+    except _READ_ERRORS as err:  # a damaged file surfaces in many forms
+        raise CheckpointError(f"cannot read checkpoint {directory}: {type(err).__name__}: {err}") from None
+    optimizer.load_state_dict(scratch["optim"])  # validates before changing anything
+    model.load_state_dict(scratch["model"])
+    for name, obj in (extra or {}).items():
+        if hasattr(obj, "load_state_dict") and name in saved_extra:
+            obj.load_state_dict(saved_extra[name])
+    return saved_extra
+
+
+def _check_against_metadata(directory: Path, wanted: dict[str, Any]) -> None:
+    try:
+        metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    except _READ_ERRORS as err:
+        raise CheckpointError(f"cannot read checkpoint metadata in {directory}: {type(err).__name__}: {err}") from None
+    expected = _flat_tensors(wanted)
+    saved = {k: v.size for k, v in metadata.items() if isinstance(v, TensorStorageMetadata)}
+    saved_model = {k for k in metadata if k.startswith("model.")}
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted((set(saved) - set(expected)) | (saved_model - {k for k in expected if k.startswith("model.")}))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {directory.name} does not match this model and optimizer: missing keys {missing}, "
+            f"unexpected keys {unexpected}"
+        )
+    for key, shape in expected.items():
+        if tuple(saved[key]) != shape:
+            raise CheckpointError(f"shape mismatch for {key}: checkpoint {tuple(saved[key])}, model {shape}")
+
+
+def _flat_tensors(tree: Any, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    out: dict[str, tuple[int, ...]] = {}
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            out.update(_flat_tensors(value, f"{prefix}{key}."))
+    elif isinstance(tree, torch.Tensor):
+        out[prefix[:-1]] = tuple(tree.shape)
+    return out
+
+
+def _scratch_copy(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _scratch_copy(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_scratch_copy(v) for v in tree]
+    if isinstance(tree, torch.Tensor):
+        return torch.empty_like(tree)
+    return tree
+
+
+def _extra_states(extra: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in extra.items()}
+
+
+def _read_extras(directory: Path) -> dict[str, Any]:
+    """The saved extras, read alone (their structure is not known in advance)."""
+    try:
+        metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    except _READ_ERRORS as err:
+        raise CheckpointError(f"cannot read checkpoint metadata in {directory}: {type(err).__name__}: {err}") from None
+    tree = _nest({k: None for k in metadata if k.startswith("extra.")})
+    if not tree:
+        return {}
+    try:
+        dcp.load(tree, checkpoint_id=str(directory))
+    except _READ_ERRORS as err:  # a damaged file surfaces in many forms
+        raise CheckpointError(f"cannot read checkpoint {directory}: {type(err).__name__}: {err}") from None
+    return tree["extra"]
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = tree
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return tree
+
+
+def _resolve(path: Path) -> Path:
+    if (path / _MARKER).is_file():
+        return path
+    found = latest(path)
+    if found is None:
+        raise CheckpointError(f"no complete checkpoint under {path}")
+    return found
+
+
+def _step_of(directory: Path) -> int:
+    return int(_NAME.match(directory.name).group(1))
+
+
+def _refuse_sharded(model: torch.nn.Module) -> None:
+    if any(hasattr(m, "fused_optimizer") for m in model.modules()):
+        raise NotImplementedError(
+            "overlap_optim.checkpoint does not save sharded models yet: the fallback tables' optimizer "
+            "state is rank-local and would not survive a change of plan"
+        )
+
+
+def _is_writer() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _shared_token() -> str:
+    """One random name for the temporary directory, the same on every rank."""
+    token = [uuid.uuid4().hex[:8]]
+    if dist.is_initialized():
+        dist.broadcast_object_list(token, src=0)
+    return token[0]

@@ -1,0 +1,160 @@
+"""overlap_optim.checkpoint: exact resume, atomic saves, and loads that fail without changing anything."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from _models import TinyModel, assert_moved, assert_same_params, clone_params, loss_of, make_batch
+from overlap_optim import apply_optimizer_in_backward, checkpoint, get_optimizers
+from overlap_optim.checkpoint import CheckpointError
+
+HERE = Path(__file__).resolve().parent
+
+
+def _annotated(seed: int = 0, table_optimizer=torch.optim.Adam, rows_model=None) -> TinyModel:
+    model = rows_model or TinyModel(seed=seed)
+    apply_optimizer_in_backward(table_optimizer, model.ebc.parameters(), {"lr": 0.05})
+    apply_optimizer_in_backward(torch.optim.SGD, model.dense.parameters(), {"lr": 0.05, "momentum": 0.9})
+    return model
+
+
+def _schedule(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 3) * 0.9**s)
+
+
+def _train(model, optimizer, scheduler, generator, steps):
+    for _ in range(steps):
+        loss_of(model, make_batch(generator)).backward()
+        optimizer.step()
+        scheduler.step()
+
+
+def test_resume_equals_uninterrupted_training(tmp_path):
+    straight = _annotated()
+    before = clone_params(straight)
+    opt = get_optimizers(straight)
+    _train(straight, opt, _schedule(opt), torch.Generator().manual_seed(0), 6)
+    assert_moved(straight, before)
+
+    first = _annotated()
+    opt = get_optimizers(first)
+    sched = _schedule(opt)
+    generator = torch.Generator().manual_seed(0)
+    _train(first, opt, sched, generator, 3)
+    checkpoint.save(tmp_path, first, opt, {"scheduler": sched, "step": 3})
+
+    resumed = _annotated(seed=1)
+    opt = get_optimizers(resumed)
+    sched = _schedule(opt)
+    extras = checkpoint.load(tmp_path, resumed, opt, {"scheduler": sched})
+    assert extras["step"] == 3 and sched.last_epoch == 3
+    _train(resumed, opt, sched, generator, 3)
+    assert_same_params(resumed, straight, 6)
+
+
+def test_latest_complete_checkpoint_wins(tmp_path):
+    model = _annotated()
+    opt = get_optimizers(model)
+    loss_of(model, make_batch(torch.Generator().manual_seed(0))).backward()
+    checkpoint.save(tmp_path, model, opt)
+    second = checkpoint.save(tmp_path, model, opt)
+    assert second.name == "step-00000001"
+    (tmp_path / "step-00000009").mkdir()  # no COMPLETE marker: a save that never finished
+    (tmp_path / ".tmp-step-00000010-abc").mkdir()
+    assert checkpoint.latest(tmp_path) == second
+
+
+def test_a_save_killed_at_any_moment_leaves_a_loadable_latest(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
+    writer = subprocess.Popen(
+        [sys.executable, str(HERE / "_checkpoint_writer.py"), str(tmp_path), "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+    )
+    try:
+        assert writer.stdout.readline().strip() == "1"  # one save done; the next is under way
+        time.sleep(0.3)
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(timeout=30)
+    latest = checkpoint.latest(tmp_path)
+    assert latest is not None
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))
+    apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 1e-3})
+    extras = checkpoint.load(tmp_path, model, get_optimizers(model))
+    assert extras["step"] == int(latest.name.split("-")[1])
+
+
+def _snapshot(model, opt):
+    state = {k: {n: v.clone() for n, v in s.items()} for k, s in opt.state_dict()["state"].items()}
+    return clone_params(model), state, copy.deepcopy(opt.state_dict()["param_groups"])
+
+
+def _truncate(directory: Path) -> None:
+    data = next(directory.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+
+
+def _corrupt_metadata(directory: Path) -> None:
+    (directory / ".metadata").write_bytes(b"not a checkpoint")
+
+
+@pytest.mark.parametrize(
+    "loader, damage, match",
+    [
+        (lambda: _annotated(rows_model=_WiderModel()), None, r"missing keys \[.*'model.extra.weight'.*\], unexpected keys \[\]"),
+        (lambda: _annotated(table_optimizer=torch.optim.SGD), None,
+         r"missing keys \[\], unexpected keys \['optim.state.ebc.embedding_bags.t0.weight.exp_avg'"),
+        (lambda: _annotated(rows_model=_TallerModel()), None,
+         r"shape mismatch for model.ebc.embedding_bags.t0.weight: checkpoint \(12, 4\), model \(13, 4\)"),
+        (_annotated, _truncate, r"cannot read checkpoint .*step-00000000"),
+        (_annotated, _corrupt_metadata, r"cannot read checkpoint metadata"),
+    ],
+    ids=["other-model", "optimizer-mismatch", "shape", "truncated", "corrupt"],
+)
+def test_bad_checkpoint_raises_and_changes_nothing(tmp_path, loader, damage, match):
+    source = _annotated()
+    opt = get_optimizers(source)
+    loss_of(source, make_batch(torch.Generator().manual_seed(0))).backward()
+    saved = checkpoint.save(tmp_path, source, opt)
+    if damage:
+        damage(saved)
+    target = loader()
+    target_opt = get_optimizers(target)
+    loss_of(target, make_batch(torch.Generator().manual_seed(1))).backward()  # state to protect
+    weights, state, groups = _snapshot(target, target_opt)
+    with pytest.raises(CheckpointError, match=match):
+        checkpoint.load(tmp_path, target, target_opt)
+    after_w, after_s, after_g = _snapshot(target, target_opt)
+    assert all(torch.equal(after_w[k], v) for k, v in weights.items())
+    assert after_s.keys() == state.keys()
+    assert all(torch.equal(after_s[k][n], v) for k, s in state.items() for n, v in s.items())
+    assert after_g == groups
+
+
+def test_no_checkpoint_and_sharded_models_are_refused(tmp_path):
+    model = _annotated()
+    with pytest.raises(CheckpointError, match="no complete checkpoint under"):
+        checkpoint.load(tmp_path, model, get_optimizers(model))
+    model.fused_optimizer = None  # what a sharded module carries
+    with pytest.raises(NotImplementedError, match="does not save sharded models yet"):
+        checkpoint.save(tmp_path, model, get_optimizers(model))
+
+
+class _WiderModel(TinyModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = torch.nn.Linear(2, 2)
+
+
+class _TallerModel(TinyModel):
+    def __init__(self) -> None:
+        super().__init__(rows=13)
