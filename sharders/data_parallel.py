@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
@@ -34,4 +36,14 @@ class DataParallelWrapper(DefaultDataParallelWrapper):
             self._allreduce_comm_precision = None if comm == "allreduce" else comm
         wrapped = dmp._dmp_wrapped_module
         if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
-            register_optimizer_hook(wrapped, comm=comm)
+            state = register_optimizer_hook(wrapped, comm=comm)
+            bare = [p for p in wrapped._module_parameters if p.requires_grad and id(p) not in state.targets]
+            if bare:
+                warnings.warn(
+                    f"{len(bare)} data-parallel parameter(s) carry no in-backward optimizer: they keep their "
+                    "averaged gradient for your own optimizer. If you annotated them on the meta device, "
+                    "DistributedModelParallel's init_parameters replaced them (Module.to_empty) and dropped "
+                    "the annotation: build the dense part on a real device, or call "
+                    "overlap_optim.materialize(model.dense_part, device) before DistributedModelParallel.",
+                    stacklevel=2,
+                )

@@ -147,3 +147,22 @@ def test_register_optimizer_hook_refusals(world_of_one):
     apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
     with pytest.raises(NotImplementedError, match="find_unused_parameters=True with in-backward optimizers"):
         register_optimizer_hook(DistributedDataParallel(model, find_unused_parameters=True))
+
+
+def test_dmp_warns_when_meta_dense_annotations_were_dropped(world_of_one):
+    from _models import TinyModel
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+
+    from overlap_optim import apply_optimizer_in_backward
+
+    model = TinyModel(device="meta")
+    apply_optimizer_in_backward(torch.optim.SGD, model.ebc.parameters(), {"lr": 0.1})
+    apply_optimizer_in_backward(torch.optim.Adam, model.dense.parameters(), {"lr": 0.1})
+    sharder = sharders.EmbeddingBagCollectionSharder()
+    plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu")).collective_plan(
+        model, [sharder], dist.group.WORLD
+    )
+    with pytest.warns(UserWarning, match=r"4 data-parallel parameter\(s\) carry no in-backward optimizer.*to_empty"):
+        DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder],
+                                 data_parallel_wrapper=sharders.DataParallelWrapper())
