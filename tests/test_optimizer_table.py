@@ -166,3 +166,30 @@ def test_dmp_warns_when_meta_dense_annotations_were_dropped(world_of_one):
     with pytest.warns(UserWarning, match=r"4 data-parallel parameter\(s\) carry no in-backward optimizer.*to_empty"):
         DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder],
                                  data_parallel_wrapper=sharders.DataParallelWrapper())
+
+
+def test_materialized_dense_part_keeps_its_annotation_under_dmp(world_of_one):
+    import warnings
+
+    from _models import TinyModel
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+
+    from overlap_optim import apply_optimizer_in_backward, materialize
+
+    model = TinyModel(device="meta")
+    apply_optimizer_in_backward(torch.optim.SGD, model.ebc.parameters(), {"lr": 0.1})
+    apply_optimizer_in_backward(torch.optim.Adam, model.dense.parameters(), {"lr": 0.1})
+    materialize(model.dense, "cpu")
+    for layer in (model.dense[0], model.dense[2]):
+        layer.reset_parameters()
+    sharder = sharders.EmbeddingBagCollectionSharder()
+    plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu")).collective_plan(
+        model, [sharder], dist.group.WORLD
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*carry no in-backward optimizer.*")
+        dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder],
+                                       data_parallel_wrapper=sharders.DataParallelWrapper())
+    dense = [p for n, p in dmp.named_parameters() if n.startswith("dense.")]
+    assert len(dense) == 4 and all(p._optimizer_classes == [torch.optim.Adam] for p in dense)
