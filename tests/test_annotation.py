@@ -20,6 +20,19 @@ def _bare(params) -> bool:
     return all(not hasattr(p, a) for p in params for a in _ATTRS)
 
 
+def _train_against(model, reference, ref_opts, steps: int = 3) -> None:
+    """Three steps of the annotated model and of the reference with its optimizers, compared."""
+    generator = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        batch = make_batch(generator)
+        loss_of(model, batch).backward()
+        loss_of(reference, batch).backward()
+        for o in ref_opts:
+            o.step()
+            o.zero_grad()
+        assert_same_params(model, reference, step)
+
+
 def test_records_the_metadata_torch_and_torchrec_read():
     model = TinyModel()
     table = model.ebc.embedding_bags["t0"].weight
@@ -92,15 +105,7 @@ def test_second_annotation_is_refused_unless_replace():
     apply_optimizer_in_backward(torch.optim.SGD, model.ebc.parameters(), {"lr": 0.1})
     ref_opts = [torch.optim.Adam(reference.dense.parameters(), lr=0.01),
                 torch.optim.SGD(reference.ebc.parameters(), lr=0.1)]
-    generator = torch.Generator().manual_seed(0)
-    for step in range(3):
-        batch = make_batch(generator)
-        loss_of(model, batch).backward()
-        loss_of(reference, batch).backward()
-        for o in ref_opts:
-            o.step()
-            o.zero_grad()
-        assert_same_params(model, reference, step)
+    _train_against(model, reference, ref_opts)
     assert len(get_optimizers(model).param_groups) == 2  # the replaced group is empty and gone
 
 
@@ -118,15 +123,7 @@ def test_meta_parameters_record_metadata_only_then_materialize():
     assert all(not p.is_meta and len(p._in_backward_optimizers) == 1 for p in model.parameters())
     ref_opts = [torch.optim.Adam(reference.dense.parameters(), lr=0.01),
                 torch.optim.Adagrad(reference.ebc.parameters(), lr=0.1)]
-    generator = torch.Generator().manual_seed(0)
-    for step in range(3):
-        batch = make_batch(generator)
-        loss_of(model, batch).backward()
-        loss_of(reference, batch).backward()
-        for o in ref_opts:
-            o.step()
-            o.zero_grad()
-        assert_same_params(model, reference, step)
+    _train_against(model, reference, ref_opts)
 
 
 def test_plain_to_empty_drops_annotations_and_get_optimizers_says_so():
