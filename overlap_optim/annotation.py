@@ -11,6 +11,7 @@ right after it.
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,9 +38,13 @@ class AnnotationGroup:
         optimizer_class: the ``torch.optim.Optimizer`` subclass.
         optimizer_kwargs: the kwargs exactly as the user passed them.
         param_group: hyperparameters plus ``"params"``, the annotated tensors.
+        order: when the group was made, counted per process: groups made by
+            the same annotation code have the same order on every rank, and
+            ``get_optimizers`` lists param groups in that order.
     """
 
-    __slots__ = ("optimizer_class", "optimizer_kwargs", "param_group")
+    __slots__ = ("optimizer_class", "optimizer_kwargs", "param_group", "order")
+    _made = itertools.count()
 
     def __init__(
         self,
@@ -50,6 +55,7 @@ class AnnotationGroup:
         self.optimizer_class = optimizer_class
         self.optimizer_kwargs = dict(optimizer_kwargs)
         self.param_group: dict[str, Any] = {**defaults, "params": []}
+        self.order = next(AnnotationGroup._made)
 
     def hyperparameters(self) -> dict[str, Any]:
         """The current hyperparameters, without ``"params"``."""

@@ -10,9 +10,14 @@ checked against the checkpoint's metadata, the data is read into scratch copies,
 and only then copied into the model, the optimizer and the extra objects. On
 any error the model, optimizer and extras are exactly as they were.
 
-Scope: unsharded models, in one process or replicated on every rank (DDP).
-Sharded models (``DistributedModelParallel``) are refused for now: their
-fallback tables' state is rank-local and would not survive a change of plan.
+Models may be unsharded (one process, or replicated with DDP) or sharded
+(``DistributedModelParallel`` with :mod:`sharders`). Weights and optimizer state
+are saved by their unsharded names and shapes (sharded tables as
+``ShardedTensor``, see ``get_optimizers``), so a checkpoint loads into another
+sharding plan, another world size, or the unsharded model in one process:
+``torch.distributed.checkpoint`` reads each rank's pieces from whatever pieces
+were saved. Under ``torch.distributed``, :func:`save` and :func:`load` are
+collectives: call them on every rank.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -62,7 +68,6 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra:
     Example:
         >>> checkpoint.save("ckpt", model, opt, {"scheduler": sched, "step": step})
     """
-    _refuse_sharded(model)
     root = Path(path)
     extra = dict(extra or {})
     step = extra.get("step")
@@ -113,7 +118,6 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra:
             a truncated or corrupt file; a checkpoint of another model. Nothing
             is changed.
     """
-    _refuse_sharded(model)
     directory = _resolve(Path(path))
     init_state = getattr(optimizer, "init_state", None)
     if callable(init_state):
@@ -122,8 +126,11 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra:
     saved_extra = _read_extras(directory)
     _check_against_metadata(directory, wanted)
     scratch = _scratch_copy(wanted)
+    # Flattening would drop sharded tensors with no piece on this rank, and DCP
+    # would then take the checkpoint for its older format.
+    planner = dcp.DefaultLoadPlanner(flatten_sharded_tensors=False)
     try:
-        dcp.load(scratch, checkpoint_id=str(directory))
+        dcp.load(scratch, checkpoint_id=str(directory), planner=planner)
     except _READ_ERRORS as err:  # a damaged file surfaces in many forms
         raise CheckpointError(f"cannot read checkpoint {directory}: {type(err).__name__}: {err}") from None
     optimizer.load_state_dict(scratch["optim"])  # validates before changing anything
@@ -159,6 +166,8 @@ def _flat_tensors(tree: Any, prefix: str = "") -> dict[str, tuple[int, ...]]:
     if isinstance(tree, dict):
         for key, value in tree.items():
             out.update(_flat_tensors(value, f"{prefix}{key}."))
+    elif isinstance(tree, ShardedTensor):
+        out[prefix[:-1]] = tuple(tree.metadata().size)
     elif isinstance(tree, torch.Tensor):
         out[prefix[:-1]] = tuple(tree.shape)
     return out
@@ -169,6 +178,11 @@ def _scratch_copy(tree: Any) -> Any:
         return {k: _scratch_copy(v) for k, v in tree.items()}
     if isinstance(tree, list):
         return [_scratch_copy(v) for v in tree]
+    if isinstance(tree, ShardedTensor):  # same pieces, fresh storage
+        shards = [Shard(torch.empty_like(s.tensor), s.metadata) for s in tree.local_shards()]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, tree.metadata(), process_group=tree._process_group
+        )
     if isinstance(tree, torch.Tensor):
         return torch.empty_like(tree)
     return tree
@@ -216,14 +230,6 @@ def _resolve(path: Path) -> Path:
 
 def _step_of(directory: Path) -> int:
     return int(_NAME.match(directory.name).group(1))
-
-
-def _refuse_sharded(model: torch.nn.Module) -> None:
-    if any(hasattr(m, "fused_optimizer") for m in model.modules()):
-        raise NotImplementedError(
-            "overlap_optim.checkpoint does not save sharded models yet: the fallback tables' optimizer "
-            "state is rank-local and would not survive a change of plan"
-        )
 
 
 def _is_writer() -> bool:

@@ -39,7 +39,7 @@ class OptimizerHookState:
         comm: "allreduce", "fp16" or "bf16".
     """
 
-    __slots__ = ("process_group", "world_size", "targets", "managed", "comm_dtype", "release_queued")
+    __slots__ = ("process_group", "world_size", "targets", "managed", "comm_dtype", "release_queued", "pending")
 
     def __init__(
         self,
@@ -54,9 +54,18 @@ class OptimizerHookState:
         self.managed = managed
         self.comm_dtype = COMM_DTYPES[comm]
         self.release_queued = False
+        self.pending: list[torch.futures.Future] = []
 
     def release(self) -> None:
-        """At the end of backward (after DDP's own finalisation): drop the stepped gradients."""
+        """At the end of backward: wait for every bucket's update, then drop the stepped gradients.
+
+        It is queued at the first bucket, so it runs before DDP's own
+        finalisation (queued at the last), while an update may still be
+        running on the communication thread: it must wait for all of them.
+        """
+        pending, self.pending = self.pending, []
+        for future in pending:
+            future.wait()  # also raises what an update raised
         for param in self.managed:
             param.grad = None
         self.release_queued = False
@@ -100,4 +109,6 @@ def optimizer_hook(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.
         step_params(stepped)
         return buffer
 
-    return future.then(step)
+    stepped_future = future.then(step)
+    state.pending.append(stepped_future)
+    return stepped_future

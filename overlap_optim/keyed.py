@@ -14,12 +14,13 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torchrec.distributed.types import ShardedModule
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
 from overlap_optim import _state_schema
 from overlap_optim.annotation import AnnotationGroup, live_optimizer
 
-__all__ = ["get_optimizers", "InBackwardOptimizer"]
+__all__ = ["get_optimizers", "InBackwardOptimizer", "unwrapped_path"]
 
 # The group entry naming the optimizer class; it is metadata, not a hyperparameter.
 _CLASS_KEY = "optimizer"
@@ -61,13 +62,23 @@ class InBackwardOptimizer(KeyedOptimizer):
     Build it with :func:`get_optimizers`.
     """
 
-    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+    def __init__(self, params: dict[str, torch.Tensor], tables: list[tuple[str, Any]] | None = None) -> None:
+        # tables: (module path, sharders.table_state.ShardedTables) of each sharded EBC
+        self._tables = {f"{path}.{key}" if path else key: (t, key) for path, t in tables or [] for key in t.keys()}
         groups: dict[int, AnnotationGroup] = {}
+        self._table_keys_of: dict[int, list[str]] = {}
         for param in params.values():
             group = param._overlap_group
             groups.setdefault(id(group), group)
-        self._groups = list(groups.values())
-        super().__init__(params, _LiveState(params), [g.param_group for g in self._groups])
+        for path, t in tables or []:
+            for key, group in t.groups():
+                groups.setdefault(id(group), group)
+                self._table_keys_of.setdefault(id(group), []).append(f"{path}.{key}" if path else key)
+        # Creation order: the same on every rank and whatever the plan.
+        self._groups = sorted(groups.values(), key=lambda g: g.order)
+        all_params = {**params, **{k: t.weights[_table_name(key)] for k, (t, key) in self._tables.items()}}
+        super().__init__(all_params, _LiveState(params), [g.param_group for g in self._groups])
+        self._in_backward = params
         self.save_param_groups(True)
         # Schedulers that cycle momentum (OneCycleLR, CyclicLR) look for it in the defaults.
         for name in ("momentum", "betas"):
@@ -88,10 +99,17 @@ class InBackwardOptimizer(KeyedOptimizer):
     def state_dict(self) -> dict[str, Any]:
         """``{"state": {fqn: {name: value}}, "param_groups": [...]}``.
 
-        Each group lists its parameters by FQN and records the optimizer class.
-        State tensors are returned by reference, as ``torch.optim`` does.
+        Keys are the unsharded model's parameter FQNs and state names are
+        torch.optim's, with torch.optim's shapes, whatever the sharding plan:
+        a sharded table's per-row state is a ``ShardedTensor`` of the whole
+        table's shape. Each group lists its parameters by FQN and records the
+        optimizer class. State tensors are returned by reference, as
+        ``torch.optim`` does. With sharded tables this is a collective: call it
+        on every rank.
         """
         state = {self._key_of[p]: dict(s) for p, s in self.state.items()}
+        for path, tables in self._table_modules():
+            state.update({f"{path}.{k}" if path else k: v for k, v in tables.state_dict().items()})
         return {"state": state, "param_groups": [self._group_state(g) for g in self._groups]}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -110,11 +128,16 @@ class InBackwardOptimizer(KeyedOptimizer):
         group_of = self._match_groups(new_groups)
         loaded = {
             key: _state_schema.check_param_state(key, param, new_state.get(key, {}))
-            for key, param in self.params.items()
+            for key, param in self._in_backward.items()
         }
+        for key, (tables, table_key) in self._tables.items():
+            tables.check(table_key, new_state.get(key, {}))
         for group, saved in group_of:
             group.param_group.update({k: v for k, v in saved.items() if k not in ("params", _CLASS_KEY)})
-        for key, param in self.params.items():
+        for key, (tables, table_key) in self._tables.items():
+            if new_state.get(key):
+                tables.load(table_key, new_state[key])
+        for key, param in self._in_backward.items():
             optimizer = live_optimizer(param)
             optimizer.state.pop(param, None)
             if loaded[key]:
@@ -129,7 +152,9 @@ class InBackwardOptimizer(KeyedOptimizer):
         reaches the parameter before a ``load_state_dict``, the placeholder is
         dropped first, so training stays exactly that of ``torch.optim``.
         """
-        for param in self.params.values():
+        for _, tables in self._table_modules():
+            tables.init_state()
+        for param in self._in_backward.values():
             optimizer = live_optimizer(param)
             if optimizer is None or optimizer.state.get(param):
                 continue
@@ -142,8 +167,15 @@ class InBackwardOptimizer(KeyedOptimizer):
             param.grad = None
             param._overlap_placeholder_state = True
 
+    def _table_modules(self) -> list[tuple[str, Any]]:
+        seen: dict[int, tuple[str, Any]] = {}
+        for key, (tables, table_key) in self._tables.items():
+            seen.setdefault(id(tables), (key[: -len(table_key)].rstrip("."), tables))
+        return list(seen.values())
+
     def _group_state(self, group: AnnotationGroup) -> dict[str, Any]:
-        keys = sorted(self._key_of[p] for p in group.param_group["params"] if p in self._key_of)
+        keys = {self._key_of[p] for p in group.param_group["params"] if p in self._key_of}
+        keys = sorted(keys | set(self._table_keys_of.get(id(group), [])))
         cls = group.optimizer_class
         return {
             **group.hyperparameters(),
@@ -180,10 +212,12 @@ def get_optimizers(model: torch.nn.Module) -> KeyedOptimizer:
     """The one keyed optimizer for every annotated parameter of ``model``.
 
     Parameters are keyed by their FQN in the unsharded model (the first name of a
-    shared parameter). Sharded modules contribute their ``fused_optimizer``
-    (TorchRec's contract; with ``sharders`` that covers fused and fallback
-    tables alike), and every other annotated parameter comes from its in-backward
-    optimizer. It warns once, listing them, about trainable parameters that
+    shared parameter), and state by torch.optim's names and shapes, so the
+    keys are the same for every sharding plan, kernel and world size as for
+    the unsharded model under plain torch.optim. Param groups are the
+    annotation calls, in the order they were made. Tables sharded by
+    :mod:`sharders` (fused or fallback) and every other annotated parameter
+    are covered. It warns once, listing them, about trainable parameters that
     nothing here updates.
 
     Args:
@@ -192,8 +226,9 @@ def get_optimizers(model: torch.nn.Module) -> KeyedOptimizer:
             (``DistributedModelParallel``, or modules sharded one by one).
 
     Returns:
-        An :class:`InBackwardOptimizer` for a model with no sharded module, else a
-        TorchRec ``CombinedOptimizer`` of the sharded modules' optimizers and it.
+        An :class:`InBackwardOptimizer`; if another sharder sharded some module,
+        a TorchRec ``CombinedOptimizer`` of that module's ``fused_optimizer``
+        (with TorchRec's plan-dependent keys) and it.
 
     Example:
         >>> opt = get_optimizers(model)
@@ -201,9 +236,10 @@ def get_optimizers(model: torch.nn.Module) -> KeyedOptimizer:
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"get_optimizers takes an nn.Module, got {type(model).__name__}")
-    fused = _fused_optimizers(model)
+    tables, foreign = _sharded_modules(model)
+    covered = {f"{path}.{k}" if path else k for path, t in tables for k in t.keys()}
     # By key: a fused optimizer may hold a ShardedTensor where the module has a view.
-    covered = {CombinedOptimizer.prepend_opt_key(k, path) for path, opt in fused for k in opt.params}
+    covered |= {CombinedOptimizer.prepend_opt_key(k, path) for path, opt in foreign for k in opt.params}
     annotated: dict[str, torch.Tensor] = {}
     bare: list[str] = []
     for name, param in model.named_parameters():
@@ -219,24 +255,42 @@ def get_optimizers(model: torch.nn.Module) -> KeyedOptimizer:
             f"updated by get_optimizers(): {bare}",
             stacklevel=2,
         )
-    in_backward = InBackwardOptimizer(annotated)
-    if not fused:
+    in_backward = InBackwardOptimizer(annotated, tables)
+    if not foreign:
         return in_backward
+    # Modules sharded by another sharder keep TorchRec's plan-dependent keys.
     # CombinedOptimizer wants one policy for saving param groups: TorchRec's (off).
-    in_backward.save_param_groups(fused[0][1].defaults["_save_param_groups"])
-    return CombinedOptimizer([*fused, ("", in_backward)])
+    in_backward.save_param_groups(foreign[0][1].defaults["_save_param_groups"])
+    return CombinedOptimizer([*foreign, ("", in_backward)])
 
 
-def _fused_optimizers(model: torch.nn.Module) -> list[tuple[str, KeyedOptimizer]]:
-    """(path, optimizer) of the outermost modules that carry a ``fused_optimizer``."""
-    found: list[tuple[str, KeyedOptimizer]] = []
+def unwrapped_path(path: str) -> str:
+    """A module path without DistributedModelParallel's (and its DDP's) wrapper names."""
+    for wrapper in ("_dmp_wrapped_module.module.", "_dmp_wrapped_module."):
+        if path.startswith(wrapper):
+            return path[len(wrapper) :]
+    return path
+
+
+def _sharded_modules(model: torch.nn.Module) -> tuple[list[tuple[str, Any]], list[tuple[str, KeyedOptimizer]]]:
+    """(path, ShardedTables) of modules our sharders made, and (path, fused_optimizer)
+    of the outermost other sharded modules."""
+    ours: list[tuple[str, Any]] = []
+    foreign: list[tuple[str, KeyedOptimizer]] = []
     for path, module in model.named_modules():
-        if any(_inside(path, outer) for outer, _ in found):
+        if not isinstance(module, ShardedModule):
             continue
-        optimizer = getattr(module, "fused_optimizer", None)
-        if isinstance(optimizer, KeyedOptimizer):
-            found.append((path, optimizer))
-    return found
+        path = unwrapped_path(path)
+        if hasattr(module, "overlap_tables"):
+            ours.append((path, module.overlap_tables))
+        elif isinstance(getattr(module, "fused_optimizer", None), KeyedOptimizer):
+            if not any(_inside(path, outer) for outer, _ in foreign):
+                foreign.append((path, module.fused_optimizer))
+    return ours, foreign
+
+
+def _table_name(key: str) -> str:
+    return key[len("embedding_bags.") : -len(".weight")]
 
 
 def _inside(path: str, outer: str) -> bool:

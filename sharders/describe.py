@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
+from overlap_optim.keyed import unwrapped_path
 from sharders.embeddingbag import TableDecision, kernels_of
 
 __all__ = ["describe", "kernel_rows"]
@@ -25,7 +26,7 @@ def kernel_rows(model: nn.Module) -> list[tuple[str, ...]]:
             first = decisions[tables[0]]
             rows.append((
                 rank,
-                _strip(path),
+                unwrapped_path(path),
                 str(index),
                 first.sharding_type,
                 ", ".join(tables),
@@ -52,12 +53,6 @@ def describe(model: nn.Module) -> str:
     lines = ["| " + " | ".join(_HEADER) + " |", "|" + " --- |" * len(_HEADER)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
-
-
-def _strip(path: str) -> str:
-    for wrapper in ("_dmp_wrapped_module.module.", "_dmp_wrapped_module."):
-        path = path.replace(wrapper, "")
-    return path
 
 
 def _setting(decision: TableDecision) -> str:

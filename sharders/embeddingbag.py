@@ -10,6 +10,10 @@ It is TorchRec's sharder with three changes:
   DDP communication hook, after their gradients are all-reduced.
 - Row-wise and table-row-wise sharding are offered on CPU too.
 
+A fusable table can be pinned to the fallback, by name
+(``fallback_tables=``) or by a plan that gives it compute kernel "dense";
+any other kernel in the plan is replaced by the decision above.
+
 Refused at sharding time, with the table's name: a table with no annotation, an
 optimizer that needs a closure, and torchrec's ``RowWiseAdagrad`` on a table
 whose rows are split into column shards (its per-row state needs whole rows).
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -37,12 +41,14 @@ from overlap_optim.comm_hooks import OptimizerHookState
 from overlap_optim.ddp import install_optimizer_hook
 from sharders.fallback import FallbackEmbeddingBag
 from sharders.optimizer_table import KernelChoice, choose_kernel
+from sharders.table_state import ShardedTables
 
 __all__ = ["EmbeddingBagCollectionSharder", "TableDecision"]
 
-# The fused_params entry that keeps fallback tables of different settings in
-# different kernels; the dense kernel TorchRec builds for them ignores it.
-_SETTING_KEY = "overlap_optim_setting"
+# TorchRec groups tables into kernels by their fused params, "_batch_key"
+# included, and drops that entry before building a kernel: it keeps each
+# annotation group (a param group, with its own LR schedule) in its own kernels.
+_GROUP_KEY = "_batch_key"
 _ROW_SPLITTING = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
 _COLUMN_SPLITTING = (ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value)
 
@@ -72,7 +78,13 @@ class EmbeddingBagCollectionSharder(_TorchRecSharder):
         >>> model = DistributedModelParallel(model, device=device, plan=plan, sharders=[sharder])
     """
 
-    def __init__(self, fused_params: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, fused_params: dict[str, Any] | None = None, *, fallback_tables: Iterable[str] = (), **kwargs: Any
+    ) -> None:
+        """``fallback_tables``: tables to run in the fallback even where FBGEMM could fuse them."""
+        if isinstance(fallback_tables, str):
+            raise TypeError(f"fallback_tables takes table names, got the string {fallback_tables!r}")
+        self.fallback_tables = frozenset(fallback_tables)
         optimizer_keys = sorted(set(fused_params or {}) & {"optimizer", "learning_rate", "eps", "weight_decay"})
         if optimizer_keys:
             raise ValueError(
@@ -94,44 +106,68 @@ class EmbeddingBagCollectionSharder(_TorchRecSharder):
         module_fqn: str | None = None,
     ) -> ShardedEmbeddingBagCollection:
         device = device or torch.device("cpu")
+        torch_made: dict[str, AnnotationGroup] = {}
         decisions = {
-            config.name: _decide(module, config.name, params[config.name], device)
+            config.name: _decide(module, config.name, params[config.name], device, torch_made, self.fallback_tables)
             for config in module.embedding_bag_configs()
         }
+        unknown = sorted(self.fallback_tables - set(decisions))
+        if unknown:
+            raise ValueError(f"fallback_tables names tables this module does not have: {unknown}")
         params = {name: _with_kernel(sharding, decisions.get(name)) for name, sharding in params.items()}
         with _translated_annotations(module, decisions):
             sharded = super().shard(module, params, env, device, module_fqn)
         _install_fallback_kernels(sharded, decisions)
+        _install_fused_kernel_hooks(sharded, decisions)
         for name, decision in decisions.items():  # the sharded module holds the tables now
             unsharded = module.embedding_bags[name].weight
             params = decision.group.param_group["params"]
             params[:] = [p for p in params if p is not unsharded]
         _install_data_parallel_hooks(sharded, decisions, env)
         sharded._overlap_decisions = decisions
-        sharded.register_forward_pre_hook(_sync_fused_learning_rates)
+        sharded.overlap_tables = ShardedTables(sharded, decisions, env.process_group)
         return sharded
 
 
-def _sync_fused_learning_rates(sharded: ShardedEmbeddingBagCollection, _inputs: Any) -> None:
-    """Before each forward, give every fused kernel its group's current learning rate.
+def _install_fused_kernel_hooks(sharded: ShardedEmbeddingBagCollection, decisions: dict[str, TableDecision]) -> None:
+    """Give every fused kernel its group's live learning rate, and count its steps.
 
-    TorchRec applies a fused kernel's ``param_groups[0]["lr"]`` only in
-    ``optimizer.step()``, which runs after backward: an LR schedule would reach
-    the kernel one step late. Here it reaches the very next backward, as it does
-    for fallback, data-parallel and dense parameters.
+    TorchRec applies a fused kernel's LR only in ``fused_optimizer.step()``,
+    after backward: a schedule would reach the kernel one step late. The kernel's
+    own forward pre-hook sets it from the annotation group instead, so it reaches
+    the very next backward, as for fallback, data-parallel and dense parameters;
+    kernels are called the same way under DMP and TorchRec's train pipelines.
+    FBGEMM keeps no step count for Adagrad: ``overlap_steps`` counts the backward
+    passes that reached the kernel, which is torch.optim's ``step``.
     """
-    for _, optimizer in sharded._optim._optims:
-        emb_module = getattr(optimizer, "_emb_module", None)
-        if emb_module is None:
+    for lookup, kernel in kernels_of(sharded):
+        if isinstance(lookup, DistributedDataParallel) or kernel.config.compute_kernel != EmbeddingComputeKernel.FUSED:
             continue
-        lr = float(optimizer.param_groups[0]["lr"])
-        if getattr(optimizer, "_overlap_applied_lr", None) != lr:
-            emb_module.set_learning_rate(lr)
-            optimizer._overlap_applied_lr = lr
+        kernel.overlap_group = decisions[kernel.config.embedding_tables[0].name].group
+        kernel.overlap_steps = 0
+        kernel.register_forward_pre_hook(_set_group_learning_rate)
+        kernel.register_forward_hook(_count_step_in_backward)
 
 
-def annotation_of(weight: torch.Tensor, table: str) -> AnnotationGroup:
-    """The table's annotation, also when torch's own ``_apply_optimizer_in_backward`` made it."""
+def _set_group_learning_rate(kernel: nn.Module, _inputs: Any) -> None:
+    kernel.emb_module.set_learning_rate(float(kernel.overlap_group.param_group["lr"]))
+
+
+def _count_step_in_backward(kernel: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
+    if output.requires_grad:
+        output.register_hook(lambda grad: _add_step(kernel))
+
+
+def _add_step(kernel: nn.Module) -> None:
+    kernel.overlap_steps += 1
+
+
+def annotation_of(weight: torch.Tensor, table: str, torch_made: dict[str, AnnotationGroup] | None = None) -> AnnotationGroup:
+    """The table's annotation, also when torch's own ``_apply_optimizer_in_backward`` made it.
+
+    Tables that torch's function annotated with equal settings share one group
+    per ``torch_made`` dict (that function does not record which call made what).
+    """
     group = getattr(weight, "_overlap_group", None)
     if group is not None:
         return group
@@ -143,12 +179,27 @@ def annotation_of(weight: torch.Tensor, table: str) -> AnnotationGroup:
             "with FBGEMM's default SGD)"
         )
     cls, kwargs = classes[0], dict(weight._optimizer_kwargs[0])
-    return AnnotationGroup(cls, kwargs, cls([torch.zeros(2, 2)], **kwargs).defaults)
+    made = {} if torch_made is None else torch_made
+    label = _setting_label(cls, kwargs)
+    if label not in made:
+        made[label] = AnnotationGroup(cls, kwargs, cls([torch.zeros(2, 2)], **kwargs).defaults)
+    return made[label]
 
 
-def _decide(module: nn.Module, table: str, sharding: ParameterSharding, device: torch.device) -> TableDecision:
-    group = annotation_of(module.embedding_bags[table].weight, table)
+def _decide(
+    module: nn.Module,
+    table: str,
+    sharding: ParameterSharding,
+    device: torch.device,
+    torch_made: dict[str, AnnotationGroup],
+    pinned: frozenset[str] = frozenset(),
+) -> TableDecision:
+    group = annotation_of(module.embedding_bags[table].weight, table, torch_made)
     choice = choose_kernel(group.optimizer_class, group.optimizer_kwargs, device.type, table=table)
+    if choice.fused and table in pinned:
+        choice = KernelChoice(False, reason="pinned to the fallback (fallback_tables)")
+    elif choice.fused and sharding.compute_kernel == EmbeddingComputeKernel.DENSE.value:
+        choice = KernelChoice(False, reason="the plan gives it compute kernel 'dense'")
     if group.optimizer_class is RowWiseAdagrad and sharding.sharding_type in _COLUMN_SPLITTING:
         shards = sharding.sharding_spec.shards if sharding.sharding_spec is not None else []
         if len({s.shard_offsets[1] for s in shards}) > 1:
@@ -167,9 +218,8 @@ def _with_kernel(sharding: ParameterSharding, decision: TableDecision | None) ->
     return dataclasses.replace(sharding, compute_kernel=kernel.value)
 
 
-def _setting_label(group: AnnotationGroup) -> str:
-    cls = group.optimizer_class
-    return f"{cls.__module__}.{cls.__qualname__}{sorted(group.optimizer_kwargs.items())}"
+def _setting_label(cls: type, kwargs: dict[str, Any]) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}{sorted(kwargs.items())}"
 
 
 @contextlib.contextmanager
@@ -181,14 +231,16 @@ def _translated_annotations(module: nn.Module, decisions: dict[str, TableDecisio
     passes exactly what :func:`choose_kernel` produced.
     """
     saved = {}
+    group_token: dict[int, int] = {}  # by first table: the same on every rank
+    for decision in decisions.values():
+        group_token.setdefault(id(decision.group), len(group_token))
     for name, decision in decisions.items():
         weight = module.embedding_bags[name].weight
         saved[name] = {a: weight.__dict__[a] for a in ("_optimizer_classes", "_optimizer_kwargs") if a in weight.__dict__}
         fused = decision.choice.fused and decision.kernel == "fused"
         weight._optimizer_classes = [None]
-        weight._optimizer_kwargs = [
-            dict(decision.choice.fbgemm_kwargs) if fused else {_SETTING_KEY: _setting_label(decision.group)}
-        ]
+        group_key = {_GROUP_KEY: f"overlap_optim:{group_token[id(decision.group)]}"}
+        weight._optimizer_kwargs = [{**decision.choice.fbgemm_kwargs, **group_key} if fused else group_key]
     try:
         yield
     finally:

@@ -54,8 +54,9 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
         weights = dense.emb_module.split_embedding_weights()
         names = [t.name for t in dense.config.embedding_tables]
         tables = dict(dense.named_parameters_by_table())
-        param_groups = [{**groups[n].hyperparameters(), "params": [tables[n]]} for n in names]
-        dense.row_optimizers = [RowOptimizer(w, groups[n], g) for w, n, g in zip(weights, names, param_groups)]
+        # The annotation groups' own dicts: an LR schedule reaches the next backward.
+        param_groups = list({id(groups[n]): groups[n].param_group for n in names}.values())
+        dense.row_optimizers = [RowOptimizer(w, groups[n]) for w, n in zip(weights, names)]
         dense.fallback_optimizer = FallbackOptimizer(
             {f"{n}.weight": tables[n] for n in names}, dense.row_optimizers, param_groups
         )
@@ -90,13 +91,14 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
         per_table: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for ids, grads, table in self._value_grads(grad_out, indices, offsets, weights):
             per_table.setdefault(table, []).append((ids, grads))
-        for table, parts in per_table.items():
-            ids = torch.cat([p[0] for p in parts])
-            grads = torch.cat([p[1] for p in parts])
+        for table, rows in enumerate(self.row_optimizers):  # every table steps, touched or not
+            parts = per_table.get(table, [])
+            ids = torch.cat([p[0] for p in parts]) if parts else indices.new_zeros(0)
+            grads = torch.cat([p[1] for p in parts]) if parts else grad_out.new_zeros(0, rows.weight.shape[1])
             unique, inverse = torch.unique(ids, return_inverse=True)
             summed = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype, device=grads.device)
             summed.index_add_(0, inverse, grads)
-            self.row_optimizers[table].step(unique, summed)
+            rows.step(unique, summed)
 
     def _value_grads(self, grad_out, indices, offsets, weights):
         """Per feature: (row ids, gradient of each looked-up value, table index)."""
@@ -125,9 +127,10 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
 class FallbackOptimizer(KeyedOptimizer):
     """The fallback tables of one kernel as a TorchRec ``KeyedOptimizer``.
 
-    State is each table's full (local shard) state under torch.optim's names.
-    ``param_groups`` (one per table) are live: an LR schedule reaches the next
-    backward. ``step()`` and ``zero_grad()`` do no work: backward did it.
+    This is TorchRec's view (``model.fused_optimizer``): state is each local
+    shard's state under torch.optim's names. ``param_groups`` are the tables'
+    annotation groups, live. ``step()`` and ``zero_grad()`` do no work: backward
+    did it. The plan-independent view is ``overlap_optim.get_optimizers``.
     """
 
     def __init__(self, params: dict[str, torch.Tensor], rows: list[RowOptimizer], param_groups: list[dict]) -> None:

@@ -18,25 +18,31 @@ from overlap_optim import apply_optimizer_in_backward
 COLUMN_SPLITTING = ("column_wise", "table_column_wise")
 
 
-def build(names, settings, sharding_type, world_size, sharder=None, dense=None, comm=None):
+def build(names, settings, sharding_type, world_size, sharder=None, dense=None, comm=None, together=False,
+          pinned_dense=(), seed=0):
     """(sharded DMP model, unsharded reference, reference optimizers) from one seed.
 
+    ``sharding_type``: one for every table, or a dict table -> type.
     ``dense=(cls, kwargs)`` also annotates the MLP and wraps it with our DataParallelWrapper.
+    ``together``: annotate all tables in one call (one param group; settings must agree).
+    ``pinned_dense``: tables the sharder pins to the fallback (``fallback_tables``).
     """
-    model = ManyTableModel(names)
+    model = ManyTableModel(names, seed=seed)
     reference = copy.deepcopy(model)
+    if together:
+        apply_optimizer_in_backward(*settings[0][:1], [model.ebc.embedding_bags[n].weight for n in names], settings[0][1])
     for name, (cls, kwargs) in zip(names, settings):
-        apply_optimizer_in_backward(cls, model.ebc.embedding_bags[name].parameters(), kwargs)
+        if not together:
+            apply_optimizer_in_backward(cls, model.ebc.embedding_bags[name].parameters(), kwargs)
     ref_opts = [cls(reference.ebc.embedding_bags[n].parameters(), **kw) for n, (cls, kw) in zip(names, settings)]
     wrapper = {}
     if dense is not None:  # dense[0] annotated; dense[2] left to a user optimizer
         apply_optimizer_in_backward(dense[0], model.dense[0].parameters(), dense[1])
         ref_opts.append(dense[0](reference.dense[0].parameters(), **dense[1]))
         wrapper = {"data_parallel_wrapper": sharders.DataParallelWrapper(allreduce_comm_precision=comm)}
-    sharder = sharder or sharders.EmbeddingBagCollectionSharder()
-    constraints = {
-        n: ParameterConstraints(sharding_types=[sharding_type], min_partition=4) for n in names
-    }
+    sharder = sharder or sharders.EmbeddingBagCollectionSharder(fallback_tables=pinned_dense)
+    types = sharding_type if isinstance(sharding_type, dict) else dict.fromkeys(names, sharding_type)
+    constraints = {n: ParameterConstraints(sharding_types=[types[n]], min_partition=4) for n in names}
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
         constraints=constraints,
@@ -169,7 +175,7 @@ def grouping_and_describe(rank, world_size):
     same = [(torch.optim.SGD, {"lr": 0.1})] * 6
     out = {}
     for label, settings in (("one", same), ("six", distinct)):
-        dmp, _, _ = build(names, settings, "table_wise", world_size)
+        dmp, _, _ = build(names, settings, "table_wise", world_size, together=label == "one")
         generator = torch.Generator().manual_seed(7)
         batch = [covering_batch(names, generator) for _ in range(world_size)][rank]
         out[f"collectives_{label}"] = count_collectives(dmp, batch)

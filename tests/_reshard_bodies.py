@@ -1,0 +1,146 @@
+"""Rank bodies for the sharded checkpoint tests (spawned; not collected by pytest).
+
+One model, five tables and an annotated MLP, each table annotated in its own
+call (six param groups, six LR schedules). Plan A and plan B put every table in
+a different sharding type, and plan B pins a fusable table to the fallback.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+import overlap_optim
+from _models import ManyTableModel, concat_batches, covering_batch, loss_of
+from _sharded_parity import build, compare
+from overlap_optim import apply_optimizer_in_backward, checkpoint
+
+NAMES = ["adagrad", "rowwise", "adam", "sgd_m", "sgd"]
+SETTINGS = [
+    (torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-10}),
+    (RowWiseAdagrad, {"lr": 0.1}),
+    (torch.optim.Adam, {"lr": 0.02}),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    (torch.optim.SGD, {"lr": 0.1}),
+]
+DENSE = (torch.optim.AdamW, {"lr": 0.02, "weight_decay": 0.1})
+PLAN_A = {"adagrad": "table_wise", "rowwise": "row_wise", "adam": "column_wise", "sgd_m": "data_parallel",
+          "sgd": "table_row_wise"}
+PLAN_B = {"adagrad": "row_wise", "rowwise": "table_wise", "adam": "row_wise", "sgd_m": "table_wise",
+          "sgd": "data_parallel"}
+PINNED_B = ("adagrad",)  # fused in plan A, fallback in plan B
+SAVED_AT, STEPS, WORLD = 3, 6, 2
+ATOL = 1e-6
+
+
+def schedules():
+    """One schedule per param group: tables in order, then the MLP; warmup then decay, each its own."""
+    return [
+        (lambda s, i=i: min(1.0, (s + 1) / (2 + i)) * (0.9 - 0.05 * i) ** s) for i in range(len(NAMES) + 1)
+    ]
+
+
+def global_batch(step):
+    generator = torch.Generator().manual_seed(1000 + step)
+    return [covering_batch(NAMES, generator) for _ in range(WORLD)]
+
+
+class _Reference:
+    """The unsharded model under plain torch.optim with the same schedules, on the global batch."""
+
+    def __init__(self, reference, ref_opts):
+        self.model, self.opts = reference, ref_opts
+        self.scheds = [torch.optim.lr_scheduler.LambdaLR(o, f) for o, f in zip(ref_opts, schedules())]
+        self.start = {n: p.detach().clone() for n, p in reference.named_parameters()}
+
+    def step(self, step):
+        loss_of(self.model, concat_batches(global_batch(step))).backward()
+        for opt, sched in zip(self.opts, self.scheds):
+            opt.step()
+            sched.step()
+        self.model.zero_grad()
+
+    def moved(self):
+        return min(  # every annotated parameter moved (dense.2 has no optimizer)
+            (p.detach() - self.start[n]).abs().max().item()
+            for n, p in self.model.named_parameters()
+            if not n.startswith("dense.2.")
+        )
+
+
+def _sharded(plan, world_size, pinned=(), seed=0):
+    dmp, reference, ref_opts = build(NAMES, SETTINGS, plan, world_size, dense=DENSE, pinned_dense=pinned, seed=seed)
+    keyed = overlap_optim.get_optimizers(dmp)
+    return dmp, keyed, torch.optim.lr_scheduler.LambdaLR(keyed, schedules()), _Reference(reference, ref_opts)
+
+
+def _train(dmp, keyed, sched, reference, rank, world_size, steps):
+    for step in steps:
+        parts = global_batch(step)
+        batch = parts[rank] if world_size == WORLD else concat_batches(parts)
+        loss_of(dmp, batch).backward()
+        keyed.step()
+        sched.step()
+        reference.step(step)
+        compare(dmp, reference.model, NAMES, step, atol=ATOL)
+
+
+def layout(keyed):
+    """{(key, state name): shape} of a keyed optimizer's state dict, and its param groups' keys."""
+    state = keyed.state_dict()
+    shapes = {(k, n): tuple(v.size()) if torch.is_tensor(v) else v for k, s in state["state"].items() for n, v in s.items()}
+    return shapes, [g["params"] for g in state["param_groups"]]
+
+
+def unsharded_layout():
+    """The same layout for the unsharded model under apply_optimizer_in_backward, after one step."""
+    model = ManyTableModel(NAMES)
+    for name, (cls, kwargs) in zip(NAMES, SETTINGS):
+        apply_optimizer_in_backward(cls, model.ebc.embedding_bags[name].parameters(), kwargs)
+    apply_optimizer_in_backward(DENSE[0], model.dense[0].parameters(), DENSE[1])
+    loss_of(model, concat_batches(global_batch(0))).backward()
+    return layout(overlap_optim.get_optimizers(model))
+
+
+def save_then_reshard(rank, world_size, directory):
+    """Plan A trains, saves at SAVED_AT; plan B (other seed) loads and continues; both
+    compared with the reference after every step."""
+    dmp, keyed, sched, reference = _sharded(PLAN_A, world_size)
+    _train(dmp, keyed, sched, reference, rank, world_size, range(SAVED_AT))
+    layout_a = layout(keyed)
+    checkpoint.save(directory, dmp, keyed, {"scheduler": sched, "step": SAVED_AT})
+    del dmp
+    resumed, keyed_b, sched_b, _ = _sharded(PLAN_B, world_size, pinned=PINNED_B, seed=1)
+    extras = checkpoint.load(directory, resumed, keyed_b, {"scheduler": sched_b})
+    compare(resumed, reference.model, NAMES, "after load", atol=ATOL)
+    layout_b = layout(keyed_b)
+    _train(resumed, keyed_b, sched_b, reference, rank, world_size, range(SAVED_AT, STEPS))
+    return {
+        "layout_a": layout_a, "layout_b": layout_b, "unsharded": unsharded_layout(), "step": extras["step"],
+        "moved": reference.moved(), "describe_b": __import__("sharders").describe(resumed),
+    }
+
+
+def load_on_one_rank(rank, world_size, directory):
+    """The 2-rank checkpoint, loaded on 1 rank (all tables table_wise) and into the unsharded model."""
+    dmp, keyed, sched, _ = _sharded(dict.fromkeys(NAMES, "table_wise"), world_size, seed=1)
+    model = ManyTableModel(NAMES)  # the seed plan A started from
+    ref_opts = [cls(model.ebc.embedding_bags[n].parameters(), **kw) for n, (cls, kw) in zip(NAMES, SETTINGS)]
+    reference = _Reference(model, ref_opts + [DENSE[0](model.dense[0].parameters(), **DENSE[1])])
+    for step in range(SAVED_AT):
+        reference.step(step)
+    unsharded = ManyTableModel(NAMES, seed=2)
+    for name, (cls, kwargs) in zip(NAMES, SETTINGS):
+        apply_optimizer_in_backward(cls, unsharded.ebc.embedding_bags[name].parameters(), kwargs)
+    apply_optimizer_in_backward(DENSE[0], unsharded.dense[0].parameters(), DENSE[1])
+    unsharded_opt = overlap_optim.get_optimizers(unsharded)
+    unsharded_sched = torch.optim.lr_scheduler.LambdaLR(unsharded_opt, schedules())
+    checkpoint.load(directory, unsharded, unsharded_opt, {"scheduler": unsharded_sched})
+    checkpoint.load(directory, dmp, keyed, {"scheduler": sched})
+    compare(dmp, reference.model, NAMES, "after load", atol=ATOL)
+    twin = copy.deepcopy(reference.model.state_dict())
+    unsharded_diff = max((unsharded.state_dict()[k] - v).abs().max().item() for k, v in twin.items())
+    _train(dmp, keyed, sched, reference, rank, world_size, range(SAVED_AT, STEPS))
+    return {"unsharded_diff": unsharded_diff, "layout": layout(keyed), "moved": reference.moved()}
