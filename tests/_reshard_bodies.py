@@ -118,6 +118,7 @@ def save_then_reshard(rank, world_size, directory):
     layout_b = layout(keyed_b)
     _train(resumed, keyed_b, sched_b, reference, rank, world_size, range(SAVED_AT, STEPS))
     return {
+        "refusal": _refused_without_change(directory, world_size),
         "layout_a": layout_a, "layout_b": layout_b, "unsharded": unsharded_layout(), "step": extras["step"],
         "moved": reference.moved(), "describe_b": __import__("sharders").describe(resumed),
     }
@@ -144,3 +145,37 @@ def load_on_one_rank(rank, world_size, directory):
     unsharded_diff = max((unsharded.state_dict()[k] - v).abs().max().item() for k, v in twin.items())
     _train(dmp, keyed, sched, reference, rank, world_size, range(SAVED_AT, STEPS))
     return {"unsharded_diff": unsharded_diff, "layout": layout(keyed), "moved": reference.moved()}
+
+
+def _refused_without_change(directory, world_size):
+    """Table "adam" now has Adagrad: the load is refused, naming it, and nothing changes."""
+    settings = [(torch.optim.Adagrad, {"lr": 0.1}) if n == "adam" else st for n, st in zip(NAMES, SETTINGS)]
+    dmp, _, _ = build(NAMES, settings, PLAN_B, world_size, dense=DENSE, seed=3)
+    keyed = overlap_optim.get_optimizers(dmp)
+    loss_of(dmp, global_batch(0)[0]).backward()  # some state to compare
+    before = _local_snapshot(dmp, keyed)
+    try:
+        checkpoint.load(directory, dmp, keyed)
+    except checkpoint.CheckpointError as err:
+        message = str(err)
+    else:
+        message = "no error"
+    after = _local_snapshot(dmp, keyed)
+    same = before.keys() == after.keys() and all(torch.equal(v, after[k]) for k, v in before.items())
+    return {"message": message, "unchanged": same, "entries": len(before)}
+
+
+def _local_snapshot(dmp, keyed):
+    """Every local piece of every weight and optimizer state tensor, copied."""
+    def pieces(value):
+        if hasattr(value, "local_shards"):
+            return [s.tensor.clone() for s in value.local_shards()]
+        return [value.clone()] if torch.is_tensor(value) else []
+
+    out = {}
+    for key, value in dmp.state_dict().items():
+        out.update({f"model.{key}.{i}": t for i, t in enumerate(pieces(value))})
+    for key, state in keyed.state_dict()["state"].items():
+        for name, value in state.items():
+            out.update({f"optim.{key}.{name}.{i}": t for i, t in enumerate(pieces(value))})
+    return out

@@ -50,6 +50,13 @@ def test_a_checkpoint_from_plan_a_continues_in_plan_b_as_if_uninterrupted(reshar
         assert rank["moved"] > 1e-3
 
 
+def test_a_sharded_checkpoint_of_another_optimizer_is_refused_and_changes_nothing(resharded):
+    for rank in resharded[0]:
+        refusal = rank["refusal"]
+        assert "ebc.embedding_bags.adam.weight" in refusal["message"], refusal
+        assert refusal["unchanged"] and refusal["entries"] > 10, refusal
+
+
 def test_a_two_rank_checkpoint_loads_on_one_rank_and_into_the_unsharded_model(resharded):
     one = resharded[1]
     assert one["unsharded_diff"] <= 1e-6
