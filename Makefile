@@ -10,6 +10,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.overlap-optim-installed
 PINS := -c requirements/constraints.txt
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
 .PHONY: env demo test bench-smoke constraints clean
 
@@ -28,7 +29,7 @@ $(STAMP): setup.py Makefile $(wildcard requirements/*.txt)
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/minimal.py
+	$(PY) examples/movielens.py $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -216,7 +216,17 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
         for part in parts[:-1]:
             node = node.setdefault(part, {})
         node[parts[-1]] = value
-    return tree
+    return _lists(tree)
+
+
+def _lists(node: Any) -> Any:
+    """DCP flattens a list of dicts into keys ``name.0``, ``name.1``...: make those lists again."""
+    if not isinstance(node, dict):
+        return node
+    node = {k: _lists(v) for k, v in node.items()}
+    if node and sorted(node) == sorted(str(i) for i in range(len(node))):
+        return [node[str(i)] for i in range(len(node))]
+    return node
 
 
 def _resolve(path: Path) -> Path:

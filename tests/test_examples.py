@@ -36,3 +36,23 @@ def test_minimal_example_rejects_bad_flags_without_a_traceback():
     )
     assert run.returncode == 2
     assert "must be positive, got 0" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_synthetic_criteo_example_trains_on_two_ranks():
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "synthetic_criteo.py"), "--rows", "500", "--id-rows", "400",
+         "--steps", "12", "--batch-size", "16"],
+        capture_output=True, text=True, timeout=240, check=False,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "fused EXACT_ROWWISE_ADAGRAD" in run.stdout and "fallback: torch.optim on touched rows" in run.stdout
+    assert re.search(r"loss \S+ \(first 10 steps\) -> \S+ \(last 10\); [\d,]+ samples/s per rank", run.stdout)
+
+
+def test_synthetic_criteo_example_names_a_bad_table_size():
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "synthetic_criteo.py"), "--rows", "10,20"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert run.returncode == 2 and "--rows takes one size or 26 sizes" in run.stderr
+    assert "Traceback" not in run.stderr
