@@ -193,3 +193,49 @@ def test_materialized_dense_part_keeps_its_annotation_under_dmp(world_of_one):
                                        data_parallel_wrapper=sharders.DataParallelWrapper())
     dense = [p for n, p in dmp.named_parameters() if n.startswith("dense.")]
     assert len(dense) == 4 and all(p._optimizer_classes == [torch.optim.Adam] for p in dense)
+
+
+def test_tables_annotated_by_torchs_function_train_exactly_and_share_a_param_group(world_of_one):
+    import copy
+
+    from _models import ManyTableModel, covering_batch, loss_of
+    import overlap_optim
+
+    names = ["t0", "t1"]
+    model = ManyTableModel(names)
+    reference = copy.deepcopy(model)
+    settings = {"lr": 0.1, "momentum": 0.9}
+    _apply_optimizer_in_backward(torch.optim.SGD, model.ebc.parameters(), settings)
+    ref_opt = torch.optim.SGD(reference.ebc.parameters(), **settings)
+    sharder = sharders.EmbeddingBagCollectionSharder()
+    dmp = _dmp(model, sharder)
+    with torch.no_grad():
+        for name in names:
+            dmp.state_dict()[f"ebc.embedding_bags.{name}.weight"].local_shards()[0].tensor.copy_(
+                reference.ebc.embedding_bags[name].weight)
+    with pytest.warns(UserWarning, match="dense.0.weight"):  # the MLP is left to the user here
+        keyed = overlap_optim.get_optimizers(dmp)
+    assert [g["params"] for g in keyed.state_dict()["param_groups"] if "momentum" in g] == [
+        ["ebc.embedding_bags.t0.weight", "ebc.embedding_bags.t1.weight"]]
+    start = reference.ebc.embedding_bags["t0"].weight.detach().clone()
+    generator = torch.Generator().manual_seed(0)
+    for step in range(3):
+        batch = covering_batch(names, generator)
+        loss_of(dmp, batch).backward()
+        loss_of(reference, batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        reference.dense.zero_grad()
+        for name in names:  # compare tables only: the MLP has no optimizer here
+            got = dmp.state_dict()[f"ebc.embedding_bags.{name}.weight"].local_shards()[0].tensor
+            torch.testing.assert_close(got, reference.ebc.embedding_bags[name].weight.detach(), rtol=0, atol=1e-6)
+    assert (reference.ebc.embedding_bags["t0"].weight.detach() - start).abs().max() > 1e-3
+
+
+def _dmp(model, sharder):
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"))
+    plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
+    return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
