@@ -14,72 +14,17 @@ sizes with a fixed batch: its cost should follow the touched rows, not the table
 
 from __future__ import annotations
 
-import os
-import socket
-
 import torch
-import torch.distributed as dist
 from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
-from torchrec.distributed import DistributedModelParallel
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 
-import sharders
+from benchmarks._sharded import DIM, batch, sharded_step
 from benchmarks._timing import time_peers
-from overlap_optim import apply_optimizer_in_backward
 
-DIM = 64
 LR = 1e-3
 
 
-class _Tower(nn.Module):
-    def __init__(self, rows: int) -> None:
-        super().__init__()
-        config = EmbeddingBagConfig(name="t", embedding_dim=DIM, num_embeddings=rows, feature_names=["f"])
-        self.ebc = EmbeddingBagCollection(tables=[config], device=torch.device("meta"))
-        self.head = nn.Linear(DIM, 1)
-
-    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
-        return self.head(self.ebc(kjt)["f"]).sum()
-
-
-def _batch(rows: int, bags: int, pooling: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, rows, (bags * pooling,), generator=generator), torch.arange(0, bags * pooling, pooling)
-
-
-def _ensure_world_of_one() -> None:
-    if dist.is_initialized():
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-
-
 def _fallback_step(rows: int, batches: list) -> callable:
-    _ensure_world_of_one()
-    model = _Tower(rows)
-    apply_optimizer_in_backward(torch.optim.Adam, model.ebc.parameters(), {"lr": LR})
-    sharder = sharders.EmbeddingBagCollectionSharder()
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=1, compute_device="cpu"),
-        constraints={"t": ParameterConstraints(sharding_types=["table_wise"])},
-    )
-    plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
-    kjts = [
-        KeyedJaggedTensor.from_offsets_sync(keys=["f"], values=ids, offsets=torch.cat([offs, torch.tensor([ids.numel()])]))
-        for ids, offs in batches
-    ]
-    state = {"i": 0}
-
-    def step() -> None:
-        kjt = kjts[state["i"] % len(kjts)]
-        state["i"] += 1
-        dmp(kjt).backward()
-
-    return step
+    return sharded_step(rows, batches, torch.optim.Adam, {"lr": LR})
 
 
 def _eager_step(rows: int, batches: list, sparse: bool) -> callable:
@@ -106,7 +51,7 @@ def run(quick: bool) -> dict:
     rows = 20_000 if quick else 1_000_000
     bags, pooling = (256, 1) if quick else (2048, 5)
     warmup, repeats = (1, 3) if quick else (3, 15)
-    batches = [_batch(rows, bags, pooling, seed) for seed in range(4)]
+    batches = [batch(rows, bags, pooling, seed) for seed in range(4)]
     touched = len(torch.unique(batches[0][0]))
     peers = {
         "dense": _eager_step(rows, batches, sparse=False),
@@ -127,7 +72,7 @@ def run(quick: bool) -> dict:
     sizes = [2_000, 20_000, 80_000] if quick else [100_000, 1_000_000, 4_000_000]
     scaling = {}
     for size in sizes:
-        size_batches = [_batch(size, bags, pooling, seed) for seed in range(4)]
+        size_batches = [batch(size, bags, pooling, seed) for seed in range(4)]
         scaling[size] = time_peers({"fallback": _fallback_step(size, size_batches)}, warmup, repeats)["fallback"]
     base = scaling[sizes[0]]["median_s"]
     result["scaling"] = {str(k): {**v, "ratio_to_smallest": v["median_s"] / base} for k, v in scaling.items()}

@@ -8,7 +8,7 @@ annotated parameter into one keyed, checkpointable optimizer with
 from overlap_optim import checkpoint
 from overlap_optim.annotation import AnnotationGroup, apply_optimizer_in_backward, materialize
 from overlap_optim.ddp import register_optimizer_hook
-from overlap_optim.keyed import InBackwardOptimizer, get_optimizers
+from overlap_optim.keyed import InBackwardOptimizer, get_optimizers, unoptimized_parameters
 
 __all__ = [
     "AnnotationGroup",
@@ -18,4 +18,5 @@ __all__ = [
     "get_optimizers",
     "materialize",
     "register_optimizer_hook",
+    "unoptimized_parameters",
 ]

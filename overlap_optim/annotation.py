@@ -188,11 +188,45 @@ def _annotate(param: torch.Tensor, group: AnnotationGroup) -> None:
     handle = param.register_post_accumulate_grad_hook(step_param)
     # The same map torch uses, so that DDP's lazy init finds and removes it.
     param_to_optim_hook_handle_map.setdefault(param, []).append(handle)
+    # Not in that map: it outlives DDP's removal, and says what went wrong.
+    param._overlap_guard = param.register_post_accumulate_grad_hook(_refuse_foreign_reduction)
+
+
+def _refuse_foreign_reduction(param: torch.Tensor) -> None:
+    """At backward: the per-parameter update was removed by someone other than our DDP hook.
+
+    That is DDP's lazy init, which replaces it with torch's own in-backward hook
+    (it crashes on CPU, and with no hook at all the optimizer would step on the
+    local, unreduced gradient). ``register_optimizer_hook`` removes this guard.
+    """
+    handles = param_to_optim_hook_handle_map.get(param, [])
+    if handles and all(_alive(h) for h in handles):
+        return
+    group = param._overlap_group
+    raise RuntimeError(
+        f"a parameter of shape {tuple(param.shape)} annotated with {group.optimizer_class.__name__} is "
+        "reduced by DistributedDataParallel without overlap_optim's hook: call "
+        "overlap_optim.register_optimizer_hook(ddp_model) after wrapping it and before its first forward "
+        "(under DistributedModelParallel, pass data_parallel_wrapper=sharders.DataParallelWrapper())"
+    )
+
+
+def _alive(handle: Any) -> bool:
+    hooks = handle.hooks_dict_ref()
+    return hooks is not None and handle.id in hooks
+
+
+def remove_guard(param: torch.Tensor) -> None:
+    """Drop the check of :func:`_refuse_foreign_reduction` (our DDP hook now updates ``param``)."""
+    guard = param.__dict__.pop("_overlap_guard", None)
+    if guard is not None:
+        guard.remove()
 
 
 def _remove_hooks(param: torch.Tensor) -> None:
     for handle in param_to_optim_hook_handle_map.pop(param, []):
         handle.remove()
+    remove_guard(param)
     old: AnnotationGroup | None = getattr(param, "_overlap_group", None)
     if old is not None:
         old.param_group["params"] = [p for p in old.param_group["params"] if p is not param]

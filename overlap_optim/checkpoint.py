@@ -37,6 +37,8 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from overlap_optim.keyed import ddp_prefixes, unwrapped_name
+
 __all__ = ["save", "load", "latest", "CheckpointError"]
 
 # DCP reports read failures as CheckpointException, a BaseException.
@@ -79,7 +81,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra:
     extra["step"] = step
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-{final.name}-{_shared_token()}"
-    state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "extra": _extra_states(extra)}
+    state = {"model": _model_state(model), "optim": optimizer.state_dict(), "extra": _extra_states(extra)}
     if _is_writer():
         root.mkdir(parents=True, exist_ok=True)
     _barrier()
@@ -122,7 +124,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra:
     init_state = getattr(optimizer, "init_state", None)
     if callable(init_state):
         init_state()
-    wanted = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    wanted = {"model": _model_state(model), "optim": optimizer.state_dict()}
     saved_extra = _read_extras(directory)
     _check_against_metadata(directory, wanted)
     scratch = _scratch_copy(wanted)
@@ -134,11 +136,20 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra:
     except _READ_ERRORS as err:  # a damaged file surfaces in many forms
         raise CheckpointError(f"cannot read checkpoint {directory}: {type(err).__name__}: {err}") from None
     optimizer.load_state_dict(scratch["optim"])  # validates before changing anything
-    model.load_state_dict(scratch["model"])
+    prefixes = ddp_prefixes(model)
+    own = {unwrapped_name(k, prefixes): k for k in model.state_dict()}
+    model.load_state_dict({own[k]: v for k, v in scratch["model"].items()})
     for name, obj in (extra or {}).items():
         if hasattr(obj, "load_state_dict") and name in saved_extra:
             obj.load_state_dict(saved_extra[name])
     return saved_extra
+
+
+def _model_state(model: torch.nn.Module) -> dict[str, Any]:
+    """``model.state_dict()`` under the unwrapped names (no DDP ``module.``), so that a checkpoint
+    moves between a model wrapped part by part and the same model under DistributedModelParallel."""
+    prefixes = ddp_prefixes(model)
+    return {unwrapped_name(k, prefixes): v for k, v in model.state_dict().items()}
 
 
 def _check_against_metadata(directory: Path, wanted: dict[str, Any]) -> None:

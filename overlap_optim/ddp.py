@@ -6,6 +6,7 @@ import torch
 from torch.distributed.optim.apply_optimizer_in_backward import param_to_optim_hook_handle_map
 from torch.nn.parallel import DistributedDataParallel
 
+from overlap_optim.annotation import remove_guard
 from overlap_optim.comm_hooks import COMM_DTYPES, OptimizerHookState, optimizer_hook
 
 __all__ = ["register_optimizer_hook"]
@@ -48,6 +49,7 @@ def register_optimizer_hook(ddp_model: DistributedDataParallel, comm: str = "all
             continue
         for handle in param_to_optim_hook_handle_map.pop(param, []):
             handle.remove()
+        remove_guard(param)
         targets[id(param)] = [(param, _same)]
         managed.append(param)
     if targets and ddp_model.find_unused_parameters:

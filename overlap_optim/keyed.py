@@ -14,13 +14,14 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.types import ShardedModule
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
 from overlap_optim import _state_schema
 from overlap_optim.annotation import AnnotationGroup, live_optimizer
 
-__all__ = ["get_optimizers", "InBackwardOptimizer", "unwrapped_path"]
+__all__ = ["get_optimizers", "unoptimized_parameters", "InBackwardOptimizer", "unwrapped_parameters", "unwrapped_name", "ddp_prefixes", "unwrapped_path"]
 
 # The group entry naming the optimizer class; it is metadata, not a hyperparameter.
 _CLASS_KEY = "optimizer"
@@ -236,23 +237,13 @@ def get_optimizers(model: torch.nn.Module) -> KeyedOptimizer:
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"get_optimizers takes an nn.Module, got {type(model).__name__}")
-    tables, foreign = _sharded_modules(model)
-    covered = {f"{path}.{k}" if path else k for path, t in tables for k in t.keys()}
-    # By key: a fused optimizer may hold a ShardedTensor where the module has a view.
-    covered |= {CombinedOptimizer.prepend_opt_key(k, path) for path, opt in foreign for k in opt.params}
-    annotated: dict[str, torch.Tensor] = {}
-    bare: list[str] = []
-    for name, param in model.named_parameters():
-        if name in covered:
-            continue
-        if getattr(param, "_overlap_group", None) is not None:
-            annotated[name] = param
-        elif param.requires_grad and param.numel() > 0:
-            bare.append(name)
-    if bare:
+    tables, foreign, annotated, bare = _discover(model)
+    if bare and getattr(model, "_overlap_warned_bare", None) != sorted(bare):
+        model._overlap_warned_bare = sorted(bare)  # once per model and set of parameters
         warnings.warn(
-            f"{len(bare)} trainable parameter(s) have no in-backward optimizer and are not "
-            f"updated by get_optimizers(): {bare}",
+            f"{len(bare)} trainable parameter(s) have no in-backward optimizer and are not updated by "
+            f"get_optimizers(): {sorted(bare)}; overlap_optim.unoptimized_parameters(model) returns them "
+            "for your own optimizer",
             stacklevel=2,
         )
     in_backward = InBackwardOptimizer(annotated, tables)
@@ -262,6 +253,66 @@ def get_optimizers(model: torch.nn.Module) -> KeyedOptimizer:
     # CombinedOptimizer wants one policy for saving param groups: TorchRec's (off).
     in_backward.save_param_groups(foreign[0][1].defaults["_save_param_groups"])
     return CombinedOptimizer([*foreign, ("", in_backward)])
+
+
+def unoptimized_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The trainable parameters that ``get_optimizers(model)`` does not update, by FQN.
+
+    Build your own optimizer over them (``torch.optim`` or TorchRec's
+    ``KeyedOptimizerWrapper``). They include the tables a sharder left without
+    an annotation: their gradient is on the sharded weight's ``.grad`` after
+    backward (this rank's shards; a table held by another rank is absent).
+
+    Example:
+        >>> user_opt = torch.optim.Adagrad(overlap_optim.unoptimized_parameters(model).values(), lr=0.01)
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"unoptimized_parameters takes an nn.Module, got {type(model).__name__}")
+    return dict(_discover(model)[3])
+
+
+def _discover(model: torch.nn.Module) -> tuple[list, list, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(our sharded tables, other sharded modules, annotated parameters, bare trainable parameters)."""
+    tables, foreign = _sharded_modules(model)
+    covered = {f"{path}.{k}" if path else k for path, t in tables for k in t.keys()}
+    # By key: a fused optimizer may hold a ShardedTensor where the module has a view.
+    covered |= {CombinedOptimizer.prepend_opt_key(k, path) for path, opt in foreign for k in opt.params}
+    annotated: dict[str, torch.Tensor] = {}
+    bare: dict[str, torch.Tensor] = {}
+    for name, param in unwrapped_parameters(model):
+        if name in covered:
+            continue
+        if getattr(param, "_overlap_group", None) is not None:
+            annotated[name] = param
+        elif param.requires_grad and param.numel() > 0:
+            bare[name] = param
+    return tables, foreign, annotated, bare
+
+
+def unwrapped_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """``model.named_parameters()`` named as in the unwrapped model (see :func:`unwrapped_name`)."""
+    prefixes = ddp_prefixes(model)
+    for name, param in model.named_parameters():
+        yield unwrapped_name(name, prefixes), param
+
+
+def ddp_prefixes(model: torch.nn.Module) -> list[str]:
+    """The name prefixes, ``<path>.module.``, of the DistributedDataParallel (sub)modules of ``model``."""
+    prefixes = []
+    for path, module in model.named_modules():
+        if isinstance(module, DistributedDataParallel) and path != "_dmp_wrapped_module":
+            clean = unwrapped_path(path)  # DMP's own names are already clean
+            prefixes.append(f"{clean}.module." if clean else "module.")
+    return prefixes
+
+
+def unwrapped_name(name: str, prefixes: list[str]) -> str:
+    """``name`` without the ``module.`` a DDP wrapper adds: a model whose parts were wrapped
+    one by one gets the same names as under DistributedModelParallel, and as unwrapped."""
+    for prefix in prefixes:
+        if name.startswith(prefix):
+            name = prefix[: -len("module.")] + name[len(prefix) :]
+    return name
 
 
 def unwrapped_path(path: str) -> str:

@@ -32,7 +32,7 @@ def kernel_rows(model: nn.Module) -> list[tuple[str, ...]]:
                 ", ".join(tables),
                 _setting(first),
                 _runs_as(first),
-                first.choice.reason if first.kernel == "fallback" else "",
+                first.choice.reason if first.kernel in ("fallback", "user") else "",
             ))
     return rows
 
@@ -56,11 +56,15 @@ def describe(model: nn.Module) -> str:
 
 
 def _setting(decision: TableDecision) -> str:
+    if decision.group is None:
+        return "none"
     kwargs = ", ".join(f"{k}={v!r}" for k, v in decision.group.optimizer_kwargs.items())
     return f"{decision.group.optimizer_class.__name__}({kwargs})"
 
 
 def _runs_as(decision: TableDecision) -> str:
+    if decision.kernel == "user":
+        return "dense: .grad handed back to your optimizer"
     if decision.kernel == "fused":
         return f"fused {decision.choice.fbgemm_kwargs['optimizer'].name}"
     if decision.kernel == "data_parallel_hook":

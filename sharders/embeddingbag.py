@@ -14,8 +14,12 @@ A fusable table can be pinned to the fallback, by name
 (``fallback_tables=``) or by a plan that gives it compute kernel "dense";
 any other kernel in the plan is replaced by the decision above.
 
-Refused at sharding time, with the table's name: a table with no annotation, an
-optimizer that needs a closure, and torchrec's ``RowWiseAdagrad`` on a table
+A table with no annotation gets TorchRec's dense kernel (or, data-parallel,
+plain DDP): its gradient is handed back on the sharded weight's ``.grad`` for
+the user's own optimizer (see ``overlap_optim.unoptimized_parameters``); stock
+TorchRec would silently train it with FBGEMM's default SGD.
+
+Refused at sharding time, with the table's name: an optimizer that needs a closure, and torchrec's ``RowWiseAdagrad`` on a table
 whose rows are split into column shards (its per-row state needs whole rows).
 """
 
@@ -59,11 +63,13 @@ class TableDecision:
 
     table: str
     sharding_type: str
-    group: AnnotationGroup
+    group: AnnotationGroup | None  # None: no annotation, the gradient goes back to the user
     choice: KernelChoice
 
     @property
     def kernel(self) -> str:
+        if self.group is None:
+            return "user"
         if self.sharding_type == ShardingType.DATA_PARALLEL.value:
             return "data_parallel_hook"
         return "fused" if self.choice.fused else "fallback"
@@ -120,6 +126,8 @@ class EmbeddingBagCollectionSharder(_TorchRecSharder):
         _install_fallback_kernels(sharded, decisions)
         _install_fused_kernel_hooks(sharded, decisions)
         for name, decision in decisions.items():  # the sharded module holds the tables now
+            if decision.group is None:
+                continue
             unsharded = module.embedding_bags[name].weight
             params = decision.group.param_group["params"]
             params[:] = [p for p in params if p is not unsharded]
@@ -162,8 +170,11 @@ def _add_step(kernel: nn.Module) -> None:
     kernel.overlap_steps += 1
 
 
-def annotation_of(weight: torch.Tensor, table: str, torch_made: dict[str, AnnotationGroup] | None = None) -> AnnotationGroup:
-    """The table's annotation, also when torch's own ``_apply_optimizer_in_backward`` made it.
+def annotation_of(
+    weight: torch.Tensor, table: str, torch_made: dict[str, AnnotationGroup] | None = None
+) -> AnnotationGroup | None:
+    """The table's annotation, also when torch's own ``_apply_optimizer_in_backward`` made it;
+    None for a table with no annotation.
 
     Tables that torch's function annotated with equal settings share one group
     per ``torch_made`` dict (that function does not record which call made what).
@@ -173,11 +184,7 @@ def annotation_of(weight: torch.Tensor, table: str, torch_made: dict[str, Annota
         return group
     classes = getattr(weight, "_optimizer_classes", None)
     if not classes or classes[0] is None:
-        raise ValueError(
-            f"table {table!r} has no optimizer annotation; annotate it with "
-            "overlap_optim.apply_optimizer_in_backward (stock TorchRec would silently train it "
-            "with FBGEMM's default SGD)"
-        )
+        return None
     cls, kwargs = classes[0], dict(weight._optimizer_kwargs[0])
     made = {} if torch_made is None else torch_made
     label = _setting_label(cls, kwargs)
@@ -195,6 +202,8 @@ def _decide(
     pinned: frozenset[str] = frozenset(),
 ) -> TableDecision:
     group = annotation_of(module.embedding_bags[table].weight, table, torch_made)
+    if group is None:  # TorchRec's dense kernel: the gradient is handed back on the weight
+        return TableDecision(table, sharding.sharding_type, None, KernelChoice(False, reason="no annotation"))
     choice = choose_kernel(group.optimizer_class, group.optimizer_kwargs, device.type, table=table)
     if choice.fused and table in pinned:
         choice = KernelChoice(False, reason="pinned to the fallback (fallback_tables)")
@@ -214,7 +223,8 @@ def _decide(
 def _with_kernel(sharding: ParameterSharding, decision: TableDecision | None) -> ParameterSharding:
     if decision is None or sharding.sharding_type == ShardingType.DATA_PARALLEL.value:
         return sharding
-    kernel = EmbeddingComputeKernel.FUSED if decision.choice.fused else EmbeddingComputeKernel.DENSE
+    fused = decision.group is not None and decision.choice.fused
+    kernel = EmbeddingComputeKernel.FUSED if fused else EmbeddingComputeKernel.DENSE
     return dataclasses.replace(sharding, compute_kernel=kernel.value)
 
 
@@ -233,13 +243,15 @@ def _translated_annotations(module: nn.Module, decisions: dict[str, TableDecisio
     saved = {}
     group_token: dict[int, int] = {}  # by first table: the same on every rank
     for decision in decisions.values():
-        group_token.setdefault(id(decision.group), len(group_token))
+        if decision.group is not None:
+            group_token.setdefault(id(decision.group), len(group_token))
     for name, decision in decisions.items():
         weight = module.embedding_bags[name].weight
         saved[name] = {a: weight.__dict__[a] for a in ("_optimizer_classes", "_optimizer_kwargs") if a in weight.__dict__}
         fused = decision.choice.fused and decision.kernel == "fused"
         weight._optimizer_classes = [None]
-        group_key = {_GROUP_KEY: f"overlap_optim:{group_token[id(decision.group)]}"}
+        token = "user" if decision.group is None else group_token[id(decision.group)]
+        group_key = {_GROUP_KEY: f"overlap_optim:{token}"}
         weight._optimizer_kwargs = [{**decision.choice.fbgemm_kwargs, **group_key} if fused else group_key]
     try:
         yield
@@ -264,6 +276,9 @@ def _install_fallback_kernels(sharded: ShardedEmbeddingBagCollection, decisions:
         if isinstance(lookup, DistributedDataParallel) or kernel.config.compute_kernel != EmbeddingComputeKernel.DENSE:
             continue
         groups = {t.name: decisions[t.name].group for t in kernel.config.embedding_tables}
+        if None in groups.values():  # unannotated tables (a kernel of their own): left to the user
+            assert set(groups.values()) == {None}, groups
+            continue
         optimizer = FallbackEmbeddingBag.adopt(kernel, groups).fallback_optimizer
         # TorchRec combined its kernels' fused optimizers before we saw them; add ours,
         # keyed as TorchRec keys the fused ones, so DMP's fused_optimizer covers them too.
@@ -281,13 +296,16 @@ def _install_data_parallel_hooks(
         targets: dict[int, list] = {}
         managed = []
         for kernel in lookup.module._emb_modules:
+            if decisions[kernel.config.embedding_tables[0].name].group is None:
+                continue  # unannotated tables keep their averaged gradient for the user
             flat = kernel.emb_module.weights
             managed.append(flat)
             for table, view in _table_views(kernel):
                 weight = sharded.embedding_bags[table].weight
                 _attach(weight, decisions[table].group)
                 targets.setdefault(id(flat), []).append((weight, view))
-        install_optimizer_hook(lookup, OptimizerHookState(env.process_group, targets, managed))
+        if targets:
+            install_optimizer_hook(lookup, OptimizerHookState(env.process_group, targets, managed))
 
 
 def _table_views(kernel: nn.Module) -> Iterator[tuple[str, Any]]:

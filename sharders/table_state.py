@@ -95,8 +95,11 @@ class ShardedTables:
         self.weights: dict[str, Any] = dict(sharded._model_parallel_name_to_sharded_tensor)
         self.tables: dict[str, _Table] = {}
         pieces = _local_pieces(sharded)
-        for name, weight in self.weights.items():
+        for name, weight in list(self.weights.items()):
             decision = decisions[name]
+            if decision.group is None:  # no annotation: the user's optimizer keeps its state
+                del self.weights[name]
+                continue
             if decision.kernel == "fused":
                 row_names = dict(_FUSED_ROW_STATE[decision.choice.fbgemm_kwargs["optimizer"]])
                 scalars = ["step"] if row_names else []

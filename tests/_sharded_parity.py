@@ -19,7 +19,7 @@ COLUMN_SPLITTING = ("column_wise", "table_column_wise")
 
 
 def build(names, settings, sharding_type, world_size, sharder=None, dense=None, comm=None, together=False,
-          pinned_dense=(), seed=0):
+          pinned_dense=(), seed=0, dense_layers=(0,)):
     """(sharded DMP model, unsharded reference, reference optimizers) from one seed.
 
     ``sharding_type``: one for every table, or a dict table -> type.
@@ -36,9 +36,9 @@ def build(names, settings, sharding_type, world_size, sharder=None, dense=None, 
             apply_optimizer_in_backward(cls, model.ebc.embedding_bags[name].parameters(), kwargs)
     ref_opts = [cls(reference.ebc.embedding_bags[n].parameters(), **kw) for n, (cls, kw) in zip(names, settings)]
     wrapper = {}
-    if dense is not None:  # dense[0] annotated; dense[2] left to a user optimizer
-        apply_optimizer_in_backward(dense[0], model.dense[0].parameters(), dense[1])
-        ref_opts.append(dense[0](reference.dense[0].parameters(), **dense[1]))
+    if dense is not None:  # the MLP's dense_layers annotated (dense[2] left to a user optimizer by default)
+        apply_optimizer_in_backward(dense[0], [p for i in dense_layers for p in model.dense[i].parameters()], dense[1])
+        ref_opts.append(dense[0]([p for i in dense_layers for p in reference.dense[i].parameters()], **dense[1]))
         wrapper = {"data_parallel_wrapper": sharders.DataParallelWrapper(allreduce_comm_precision=comm)}
     sharder = sharder or sharders.EmbeddingBagCollectionSharder(fallback_tables=pinned_dense)
     types = sharding_type if isinstance(sharding_type, dict) else dict.fromkeys(names, sharding_type)

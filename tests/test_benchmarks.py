@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_quick_benchmarks_write_report_and_json(tmp_path):
     run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(tmp_path), "--docs", str(tmp_path / "docs.md")],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
     )
     assert run.returncode == 0, run.stderr[-3000:]
@@ -24,5 +24,17 @@ def test_quick_benchmarks_write_report_and_json(tmp_path):
     dense = results["benchmarks"]["dense_hook"]
     assert {"ours (batch 16)", "torch_in_backward (batch 16)", "ddp_foreach (batch 16)"} <= set(dense["timings"])
     assert set(dense["peak_rss_kib"]) == {"ours", "torch_in_backward", "ddp_foreach"}
+    stock = results["benchmarks"]["sparse_vs_torchrec"]
+    assert set(stock["timings"]) == {"ours", "torchrec"} and set(stock["peak_rss_kib"]) == {"ours", "torchrec"}
+    limit = results["benchmarks"]["limit"]
+    assert limit["limit"]["triad_gb_s"] > 0 and len(limit["achieved"]) == 3
+    assert all(len(ops) == 5 for ops in limit["profiles"].values())
+    scaling = results["benchmarks"]["scaling"]
+    assert all(len(v) == 3 for v in scaling["by_rows_s"].values()) and all(len(v) == 3 for v in scaling["by_batch_s"].values())
+    assert (tmp_path / "scaling.png").stat().st_size > 10_000
     report = (tmp_path / "report.md").read_text()
-    assert "dense / fallback (target >= 10)" in report and "quick smoke mode" in report
+    assert "dense / fallback" in report and "quick smoke mode" in report and "| met |" in report.replace("**", "")
+    assert "![scaling.png](scaling.png)" in report
+    docs = (tmp_path / "docs.md").read_text()
+    assert "![scaling.png](./scaling.png)" in docs or "scaling.png" in docs
+    assert "ratio" in run.stdout  # the table of ratios is printed

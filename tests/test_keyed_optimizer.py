@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from _models import TinyModel, assert_moved, assert_same_params, clone_params, loss_of, make_batch
-from overlap_optim import apply_optimizer_in_backward, get_optimizers
+from overlap_optim import apply_optimizer_in_backward, get_optimizers, unoptimized_parameters
 
 SETTINGS = {
     "adam": (torch.optim.Adam, {"lr": 0.05, "amsgrad": True}),
@@ -110,9 +111,18 @@ def test_step_and_zero_grad_do_no_work_but_step_runs_a_closure():
 def test_warns_once_listing_unannotated_parameters():
     model = TinyModel()
     apply_optimizer_in_backward(torch.optim.SGD, model.ebc.parameters(), {"lr": 0.1})
-    with pytest.warns(UserWarning, match=r"4 trainable parameter\(s\).*\['dense.0.weight', 'dense.0.bias'"):
+    with pytest.warns(UserWarning, match=r"4 trainable parameter\(s\).*\['dense.0.bias', 'dense.0.weight'"):
         keyed = get_optimizers(model)
     assert set(keyed.params) == {"ebc.embedding_bags.t0.weight", "ebc.embedding_bags.t1.weight"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        get_optimizers(model)  # once per model: no second warning
+    assert set(unoptimized_parameters(model)) == {"dense.0.weight", "dense.0.bias", "dense.2.weight", "dense.2.bias"}
+    user = torch.optim.SGD(unoptimized_parameters(model).values(), lr=0.1)
+    loss_of(model, make_batch(torch.Generator().manual_seed(0))).backward()
+    before = model.dense[0].weight.detach().clone()
+    user.step()
+    assert not torch.equal(before, model.dense[0].weight)
     with pytest.raises(TypeError, match="get_optimizers takes an nn.Module, got list"):
         get_optimizers([model])
 

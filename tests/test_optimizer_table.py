@@ -83,9 +83,10 @@ def world_of_one():
     dist.destroy_process_group()
 
 
-def test_sharding_refuses_a_table_without_annotation(world_of_one):
-    with pytest.raises(ValueError, match="table 'bare' has no optimizer annotation"):
-        _build_with_bare(["ok", "bare"])
+def test_a_table_without_annotation_gets_a_dense_kernel_not_fbgemms_default(world_of_one):
+    dmp = _build_with_bare(["ok", "bare"])
+    rows = {r.split(" | ")[4]: r for r in sharders.describe(dmp).splitlines()[2:]}
+    assert "dense: .grad handed back to your optimizer" in rows["bare"] and "fused EXACT_SGD" in rows["ok"]
 
 
 def _build_with_bare(names):

@@ -1,0 +1,138 @@
+"""The sparse path against stock TorchRec, on optimizers both fuse exactly (2 ranks, gloo).
+
+Model: 8 tables of 100k-500k rows, dim 64, pooling 20 (Zipf-like ids), batch 2048
+per rank, table_wise, and a linear head. The tables use three settings that
+FBGEMM computes exactly and that stock TorchRec passes through correctly:
+SGD, Adagrad with eps given, row-wise Adagrad without weight decay.
+
+Peers, the same process group, alternating in one run:
+
+- ``ours``: tables annotated with ``overlap_optim.apply_optimizer_in_backward``
+  (one call per setting), sharded by ``sharders.EmbeddingBagCollectionSharder``;
+- ``torchrec``: the same annotations made by ``torchrec.optim.apply_optimizer_in_backward``,
+  sharded by TorchRec's own ``EmbeddingBagCollectionSharder``.
+
+Both heads are plain DDP + SGD. Peak RSS is measured per peer in a group of its own.
+"""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+
+from benchmarks._timing import time_peers
+from overlap_optim.testing import run_ranks
+
+DIM = 64
+SETTINGS = [
+    ("sgd", torch.optim.SGD, {"lr": 0.01}),
+    ("adagrad", torch.optim.Adagrad, {"lr": 0.01, "eps": 1e-8}),
+    ("rowwise", None, {"lr": 0.01, "eps": 1e-8}),  # torchrec's RowWiseAdagrad
+]
+
+
+class _Model(nn.Module):
+    def __init__(self, rows: list[int]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=n, feature_names=[f"f{i}"])
+                  for i, n in enumerate(rows)]
+        self.ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+        self.head = nn.Linear(DIM * len(rows), 1)
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        return self.head(self.ebc(kjt).values()).square().mean()
+
+
+def _sizes(quick: bool) -> tuple[list[int], int, int]:
+    if quick:
+        return [2_000 + 500 * i for i in range(8)], 64, 4
+    return [100_000, 150_000, 200_000, 250_000, 300_000, 350_000, 400_000, 500_000], 2048, 20
+
+
+def _build(peer: str, rows: list[int], world_size: int):
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder as StockSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward as stock_annotate
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    import sharders
+    from overlap_optim import apply_optimizer_in_backward
+
+    model = _Model(rows)
+    annotate = apply_optimizer_in_backward if peer == "ours" else stock_annotate
+    for index, (_, cls, kwargs) in enumerate(SETTINGS):
+        tables = [model.ebc.embedding_bags[f"t{i}"].weight for i in range(len(rows)) if i % 3 == index]
+        annotate(cls or RowWiseAdagrad, tables, kwargs)
+    sharder = sharders.EmbeddingBagCollectionSharder() if peer == "ours" else StockSharder()
+    constraints = {f"t{i}": ParameterConstraints(sharding_types=["table_wise"]) for i in range(len(rows))}
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
+        constraints=constraints,
+    )
+    plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    head = torch.optim.SGD([p for n, p in dmp.named_parameters() if "head" in n], lr=0.01)
+    return dmp, head
+
+
+def _batches(rows: list[int], batch: int, pooling: int, rank: int, count: int = 4) -> list[KeyedJaggedTensor]:
+    out = []
+    for seed in range(count):
+        generator = torch.Generator().manual_seed(seed * 31 + rank)
+        values = [(torch.rand(batch * pooling, generator=generator).pow(2) * n).long() for n in rows]
+        out.append(KeyedJaggedTensor.from_lengths_sync(
+            keys=[f"f{i}" for i in range(len(rows))], values=torch.cat(values),
+            lengths=torch.full((batch * len(rows),), pooling, dtype=torch.long)))
+    return out
+
+
+def _stepper(dmp, head, batches):
+    state = {"i": 0}
+
+    def step() -> None:
+        kjt = batches[state["i"] % len(batches)]
+        state["i"] += 1
+        dmp(kjt).backward()
+        head.step()
+        head.zero_grad()
+
+    return step
+
+
+def _time(rank: int, world_size: int, quick: bool, warmup: int, repeats: int) -> dict:
+    rows, batch, pooling = _sizes(quick)
+    batches = _batches(rows, batch, pooling, rank)
+    peers = {peer: _stepper(*_build(peer, rows, world_size), batches) for peer in ("ours", "torchrec")}
+    return time_peers(peers, warmup, repeats)
+
+
+def _memory(rank: int, world_size: int, peer: str, quick: bool, steps: int) -> int:
+    rows, batch, pooling = _sizes(quick)
+    step = _stepper(*_build(peer, rows, world_size), _batches(rows, batch, pooling, rank))
+    for _ in range(steps):
+        step()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+
+
+def run(quick: bool) -> dict:
+    """Measure; returns a JSON-able result with ratios."""
+    rows, batch, pooling = _sizes(quick)
+    warmup, repeats = (1, 3) if quick else (4, 24)
+    timings = run_ranks(_time, quick, warmup, repeats, timeout=900)[0]
+    memory = {peer: max(run_ranks(_memory, peer, quick, 2 if quick else 5, timeout=600)) for peer in ("ours", "torchrec")}
+    return {
+        "setup": {"tables": len(rows), "rows": rows, "dim": DIM, "batch_per_rank": batch, "pooling": pooling,
+                  "ranks": 2, "sharding": "table_wise", "settings": [s[0] for s in SETTINGS], "repeats": repeats},
+        "timings": timings,
+        "peak_rss_kib": memory,
+        "ratios": {
+            "ours / torchrec, step time (target <= 1.05)": timings["ours"]["median_s"] / timings["torchrec"]["median_s"],
+            "ours / torchrec, peak RSS (target <= 1.05)": memory["ours"] / memory["torchrec"],
+        },
+    }
