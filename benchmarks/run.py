@@ -57,7 +57,7 @@ NOTES = {
     "limit": (
         "The byte counts are lower bounds (every looked-up row read once, every touched row and its state "
         "read and written once), so the fractions flatter every kernel. **Why the 50% target is missed:** "
-        "the profile puts 75-85% of the fused step in FBGEMM's CPU backward for row-wise Adagrad "
+        "the profile puts 66-84% of the fused step in FBGEMM's CPU backward for row-wise Adagrad "
         "(`split_embedding_backward_codegen_rowwise_adagrad_cpu`), about 450 ns per looked-up row: it sorts "
         "the ids and then updates scattered 256-byte rows of a table far larger than the caches, which is "
         "bound by memory latency (cache and TLB misses), not by bandwidth. With 8 tables of 250k rows in "
