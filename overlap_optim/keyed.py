@@ -65,19 +65,20 @@ class InBackwardOptimizer(KeyedOptimizer):
 
     def __init__(self, params: dict[str, torch.Tensor], tables: list[tuple[str, Any]] | None = None) -> None:
         # tables: (module path, sharders.table_state.ShardedTables) of each sharded EBC
-        self._tables = {f"{path}.{key}" if path else key: (t, key) for path, t in tables or [] for key in t.keys()}
+        self._sources = list(tables or [])
+        self._tables = {_join(path, key): (t, key) for path, t in self._sources for key in t.keys()}
         groups: dict[int, AnnotationGroup] = {}
         self._table_keys_of: dict[int, list[str]] = {}
         for param in params.values():
             group = param._overlap_group
             groups.setdefault(id(group), group)
-        for path, t in tables or []:
+        for path, t in self._sources:
             for key, group in t.groups():
                 groups.setdefault(id(group), group)
-                self._table_keys_of.setdefault(id(group), []).append(f"{path}.{key}" if path else key)
+                self._table_keys_of.setdefault(id(group), []).append(_join(path, key))
         # Creation order: the same on every rank and whatever the plan.
         self._groups = sorted(groups.values(), key=lambda g: g.order)
-        all_params = {**params, **{k: t.weights[_table_name(key)] for k, (t, key) in self._tables.items()}}
+        all_params = {**params, **{k: t.weight(key) for k, (t, key) in self._tables.items()}}
         super().__init__(all_params, _LiveState(params), [g.param_group for g in self._groups])
         self._in_backward = params
         self.save_param_groups(True)
@@ -109,8 +110,8 @@ class InBackwardOptimizer(KeyedOptimizer):
         on every rank.
         """
         state = {self._key_of[p]: dict(s) for p, s in self.state.items()}
-        for path, tables in self._table_modules():
-            state.update({f"{path}.{k}" if path else k: v for k, v in tables.state_dict().items()})
+        for path, tables in self._sources:
+            state.update({_join(path, k): v for k, v in tables.state_dict().items()})
         return {"state": state, "param_groups": [self._group_state(g) for g in self._groups]}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -153,7 +154,7 @@ class InBackwardOptimizer(KeyedOptimizer):
         reaches the parameter before a ``load_state_dict``, the placeholder is
         dropped first, so training stays exactly that of ``torch.optim``.
         """
-        for _, tables in self._table_modules():
+        for _, tables in self._sources:
             tables.init_state()
         for param in self._in_backward.values():
             optimizer = live_optimizer(param)
@@ -167,12 +168,6 @@ class InBackwardOptimizer(KeyedOptimizer):
                 param.copy_(kept)
             param.grad = None
             param._overlap_placeholder_state = True
-
-    def _table_modules(self) -> list[tuple[str, Any]]:
-        seen: dict[int, tuple[str, Any]] = {}
-        for key, (tables, table_key) in self._tables.items():
-            seen.setdefault(id(tables), (key[: -len(table_key)].rstrip("."), tables))
-        return list(seen.values())
 
     def _group_state(self, group: AnnotationGroup) -> dict[str, Any]:
         keys = {self._key_of[p] for p in group.param_group["params"] if p in self._key_of}
@@ -274,7 +269,7 @@ def unoptimized_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Paramet
 def _discover(model: torch.nn.Module) -> tuple[list, list, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(our sharded tables, other sharded modules, annotated parameters, bare trainable parameters)."""
     tables, foreign = _sharded_modules(model)
-    covered = {f"{path}.{k}" if path else k for path, t in tables for k in t.keys()}
+    covered = {_join(path, k) for path, t in tables for k in t.keys()}
     # By key: a fused optimizer may hold a ShardedTensor where the module has a view.
     covered |= {CombinedOptimizer.prepend_opt_key(k, path) for path, opt in foreign for k in opt.params}
     annotated: dict[str, torch.Tensor] = {}
@@ -340,8 +335,9 @@ def _sharded_modules(model: torch.nn.Module) -> tuple[list[tuple[str, Any]], lis
     return ours, foreign
 
 
-def _table_name(key: str) -> str:
-    return key[len("embedding_bags.") : -len(".weight")]
+def _join(path: str, key: str) -> str:
+    """The FQN of ``key`` inside the module at ``path`` ("" for the root)."""
+    return f"{path}.{key}" if path else key
 
 
 def _inside(path: str, outer: str) -> bool:

@@ -122,6 +122,10 @@ class ShardedTables:
         """Table keys, relative to the sharded module: ``embedding_bags.<table>.weight``."""
         return [f"embedding_bags.{t}.weight" for t in self.tables]
 
+    def weight(self, key: str) -> Any:
+        """The table's weight (TorchRec's ``ShardedTensor``) for a key of :meth:`keys`."""
+        return self.weights[_table_of(key)]
+
     def groups(self) -> Iterator[tuple[str, AnnotationGroup]]:
         for key, table in zip(self.keys(), self.tables.values()):
             yield key, table.group
