@@ -20,6 +20,8 @@ from torch.distributed.optim.apply_optimizer_in_backward import (
     param_to_optim_hook_handle_map,
 )
 
+from overlap_optim.update import live_optimizer, step_param
+
 __all__ = ["apply_optimizer_in_backward", "materialize", "AnnotationGroup"]
 
 # Constructor arguments that are not settings a user may pass as kwargs.
@@ -143,31 +145,6 @@ def materialize(module: torch.nn.Module, device: torch.device | str) -> torch.nn
         for param in params:
             _annotate(param, group)
     return module
-
-
-def live_optimizer(param: torch.Tensor) -> torch.optim.Optimizer | None:
-    """The param's live optimizer, created on first use; None while on meta."""
-    optimizers = getattr(param, "_in_backward_optimizers", None)
-    if optimizers:
-        return optimizers[0]
-    group: AnnotationGroup | None = getattr(param, "_overlap_group", None)
-    if group is None or param.is_meta:
-        return None
-    optimizer = group.optimizer_class([param], **group.optimizer_kwargs)
-    param._in_backward_optimizers = [optimizer]
-    return optimizer
-
-
-def step_param(param: torch.Tensor) -> None:
-    """Run the param's optimizer on its current grad with the group's current
-    hyperparameters, then release the grad."""
-    optimizer = live_optimizer(param)
-    assert optimizer is not None, "step_param on a parameter without a live optimizer"
-    if param.__dict__.pop("_overlap_placeholder_state", False):
-        optimizer.state.pop(param, None)  # made by init_state() and never loaded over
-    optimizer.param_groups[0].update(param._overlap_group.hyperparameters())
-    optimizer.step()
-    param.grad = None
 
 
 def _annotate(param: torch.Tensor, group: AnnotationGroup) -> None:

@@ -3,7 +3,7 @@
 A bucket's gradients are reduced (plainly, or as an fp16/bf16 copy) and
 averaged first; only then do the annotated optimizers of that bucket's
 parameters step, in one foreach update per compatible set
-(:mod:`overlap_optim.fused_step`), so every rank applies the update one process
+(:mod:`overlap_optim.update`), so every rank applies the update one process
 would on the global batch. When backward ends, the gradients of the stepped
 parameters are set to None; unannotated parameters keep their averaged gradient.
 
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from overlap_optim.fused_step import step_params
+from overlap_optim.update import step_params
 
 __all__ = ["OptimizerHookState", "optimizer_hook", "COMM_DTYPES"]
 

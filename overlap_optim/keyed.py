@@ -19,7 +19,8 @@ from torchrec.distributed.types import ShardedModule
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
 from overlap_optim import _state_schema
-from overlap_optim.annotation import AnnotationGroup, live_optimizer
+from overlap_optim.annotation import AnnotationGroup
+from overlap_optim.update import init_placeholder_state, live_optimizer, load_param_state
 
 __all__ = ["get_optimizers", "unoptimized_parameters", "InBackwardOptimizer", "unwrapped_parameters", "unwrapped_name", "ddp_prefixes", "unwrapped_path"]
 
@@ -140,11 +141,7 @@ class InBackwardOptimizer(KeyedOptimizer):
             if new_state.get(key):
                 tables.load(table_key, new_state[key])
         for key, param in self._in_backward.items():
-            optimizer = live_optimizer(param)
-            optimizer.state.pop(param, None)
-            if loaded[key]:
-                optimizer.state[param] = loaded[key]
-            param.__dict__.pop("_overlap_placeholder_state", None)
+            load_param_state(param, loaded[key])
 
     def init_state(self, sparse_grad_parameter_names: set[str] | None = None) -> None:
         """Create every lazy state tensor, so a checkpoint can be loaded in place.
@@ -157,17 +154,7 @@ class InBackwardOptimizer(KeyedOptimizer):
         for _, tables in self._sources:
             tables.init_state()
         for param in self._in_backward.values():
-            optimizer = live_optimizer(param)
-            if optimizer is None or optimizer.state.get(param):
-                continue
-            kept = param.detach().clone()
-            param.grad = torch.zeros_like(param)
-            optimizer.param_groups[0].update(param._overlap_group.hyperparameters())
-            optimizer.step()
-            with torch.no_grad():
-                param.copy_(kept)
-            param.grad = None
-            param._overlap_placeholder_state = True
+            init_placeholder_state(param)
 
     def _group_state(self, group: AnnotationGroup) -> dict[str, Any]:
         keys = {self._key_of[p] for p in group.param_group["params"] if p in self._key_of}

@@ -6,7 +6,7 @@ For tables whose optimizer FBGEMM cannot compute exactly (see
 plumbing we keep) and turns it into a :class:`FallbackEmbeddingBag`. Its
 forward is the dense kernel's lookup without an autograd graph on the weights;
 its backward turns the pooled output gradient into one summed gradient per
-touched row, and runs each table's :class:`~overlap_optim.rows.RowOptimizer`.
+touched row, and runs each table's :class:`~overlap_optim.update.RowOptimizer`.
 No gradient the size of a table is ever made: the cost follows the touched rows.
 """
 
@@ -22,7 +22,7 @@ from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from overlap_optim.annotation import AnnotationGroup
-from overlap_optim.rows import RowOptimizer
+from overlap_optim.update import RowOptimizer
 
 __all__ = ["FallbackEmbeddingBag", "FallbackOptimizer"]
 

@@ -35,7 +35,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, Sharde
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from overlap_optim.annotation import AnnotationGroup
-from overlap_optim.rows import PROBE_DIM, RowOptimizer, state_layout
+from overlap_optim.update import PROBE_DIM, RowOptimizer, state_layout
 
 __all__ = ["ShardedTables"]
 

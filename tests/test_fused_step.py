@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from overlap_optim import apply_optimizer_in_backward
-from overlap_optim.fused_step import fused_key, step_params
+from overlap_optim.update import fused_key, step_params
 
 SETTINGS = [
     (torch.optim.SGD, {"lr": 0.1}),

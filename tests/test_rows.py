@@ -7,7 +7,7 @@ import torch
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from overlap_optim.annotation import AnnotationGroup
-from overlap_optim.rows import RowOptimizer
+from overlap_optim.update import RowOptimizer
 
 CASES = [
     (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
