@@ -21,7 +21,7 @@ $(STAMP): setup.py Makefile $(wildcard requirements/*.txt)
 	@echo "setting up $(VENV) (pinned stack; a satisfied package is skipped)"
 	$(PIP) install $(PINS) -r requirements/stack.txt
 	$(PIP) install --no-deps -r requirements/torchrec.txt
-	$(PIP) install $(PINS) -r requirements/runtime.txt -r requirements/test.txt -r requirements/examples.txt
+	$(PIP) install $(PINS) -r requirements/runtime.txt -r requirements/test.txt -r requirements/examples.txt -r requirements/layerwise.txt
 	$(PIP) install --no-deps --no-build-isolation -e .
 	@$(PY) -m pip list 2>/dev/null | grep -qiE '^fbgemm[-_]gpu ' && \
 		{ echo "error: the CUDA fbgemm-gpu got installed and breaks fbgemm-gpu-cpu; run: make clean env"; exit 1; } || true

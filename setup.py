@@ -25,5 +25,5 @@ setup(
     packages=find_packages(include=["overlap_optim", "overlap_optim.*", "sharders", "sharders.*"]),
     python_requires=">=3.10",
     install_requires=_pins("stack.txt") + _pins("torchrec.txt") + _pins("runtime.txt"),
-    extras_require={"test": _pins("test.txt"), "examples": _pins("examples.txt")},
+    extras_require={"test": _pins("test.txt"), "examples": _pins("examples.txt"), "layerwise": _pins("layerwise.txt")},
 )

@@ -15,11 +15,6 @@ class _Shape(tuple):
     """The expected shape of a state tensor (a plain tuple is a saved value)."""
 
 
-# Distinct sizes, so a stand-in state tensor's shape says which parameter
-# dimensions it follows: (2, 3) -> (rows, cols); (2,) -> (rows,); () -> ().
-_STAND_IN_SIZES = (2, 3, 4, 5, 6, 7, 8, 9)
-
-
 def split(state_dict: Any) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
     """The ``state`` and ``param_groups`` entries, checked for form."""
     if not isinstance(state_dict, Mapping) or not isinstance(state_dict.get("state"), Mapping):
@@ -90,19 +85,8 @@ def check_param_state(key: str, param: torch.Tensor, saved: Mapping[str, Any]) -
 
 
 def _expected_state(param: torch.Tensor) -> dict[str, Any]:
-    """``name -> shape`` (tensors) or a non-tensor value, from one step of the
-    param's optimizer on a small stand-in of the same rank."""
-    group = param._overlap_group
-    sizes = _STAND_IN_SIZES[: param.dim()]
-    stand_in = torch.ones(sizes, dtype=param.dtype, requires_grad=True)
-    stand_in.grad = torch.ones_like(stand_in)
-    optimizer = group.optimizer_class([stand_in], **group.optimizer_kwargs)
-    optimizer.step()
-    dim_of = {size: i for i, size in enumerate(sizes)}
-    expected: dict[str, Any] = {}
-    for name, value in optimizer.state[stand_in].items():
-        if isinstance(value, torch.Tensor):
-            expected[name] = _Shape(param.shape[dim_of[s]] if s in dim_of else s for s in value.shape)
-        else:
-            expected[name] = value
-    return expected
+    """``name -> shape`` (tensors) or a non-tensor value, from the param's optimizer model."""
+    return {
+        name: _Shape(value) if isinstance(value, tuple) else value
+        for name, value in param._overlap_group.spec.state_shapes(param.shape).items()
+    }

@@ -11,7 +11,6 @@ right after it.
 from __future__ import annotations
 
 import inspect
-import itertools
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,51 +19,13 @@ from torch.distributed.optim.apply_optimizer_in_backward import (
     param_to_optim_hook_handle_map,
 )
 
+from overlap_optim.spec import AnnotationGroup, describe_optimizer, needs_closure
 from overlap_optim.update import live_optimizer, step_param
 
-__all__ = ["apply_optimizer_in_backward", "materialize", "AnnotationGroup"]
+__all__ = ["apply_optimizer_in_backward", "materialize", "AnnotationGroup", "needs_closure"]
 
 # Constructor arguments that are not settings a user may pass as kwargs.
 _CONSTRUCTOR_ONLY = ("params",)
-
-
-class AnnotationGroup:
-    """The parameters of one ``apply_optimizer_in_backward`` call.
-
-    It holds the hyperparameters the call asked for, completed with the
-    optimizer's defaults, as one torch-style ``param_group`` dict. That dict is
-    what ``get_optimizers(model).param_groups`` exposes: an LR scheduler that
-    writes ``group["lr"]`` changes the update at the next backward.
-
-    Attributes:
-        optimizer_class: the ``torch.optim.Optimizer`` subclass.
-        optimizer_kwargs: the kwargs exactly as the user passed them.
-        param_group: hyperparameters plus ``"params"``, the annotated tensors.
-        order: when the group was made, counted per process: groups made by
-            the same annotation code have the same order on every rank, and
-            ``get_optimizers`` lists param groups in that order.
-    """
-
-    __slots__ = ("optimizer_class", "optimizer_kwargs", "param_group", "order")
-    _made = itertools.count()
-
-    def __init__(
-        self,
-        optimizer_class: type[torch.optim.Optimizer],
-        optimizer_kwargs: dict[str, Any],
-        defaults: dict[str, Any],
-    ) -> None:
-        self.optimizer_class = optimizer_class
-        self.optimizer_kwargs = dict(optimizer_kwargs)
-        self.param_group: dict[str, Any] = {**defaults, "params": []}
-        self.order = next(AnnotationGroup._made)
-
-    def hyperparameters(self) -> dict[str, Any]:
-        """The current hyperparameters, without ``"params"``."""
-        return {k: v for k, v in self.param_group.items() if k != "params"}
-
-    def __repr__(self) -> str:
-        return f"AnnotationGroup({self.optimizer_class.__name__}, {self.optimizer_kwargs})"
 
 
 def apply_optimizer_in_backward(
@@ -104,6 +65,8 @@ def apply_optimizer_in_backward(
         ValueError: the optimizer rejects a value, it cannot step without a
             closure, ``params`` is empty or holds a tensor that does not
             require grad, or a param is annotated differently already.
+        NotImplementedError: the optimizer's ``step()`` keeps state in its
+            param group (see :mod:`overlap_optim.spec`).
 
     Example:
         >>> apply_optimizer_in_backward(torch.optim.Adam, model.dense.parameters(), {"lr": 1e-3})
@@ -113,10 +76,10 @@ def apply_optimizer_in_backward(
     _check_class(optimizer_class)
     _check_kwarg_names(optimizer_class, kwargs)
     params = _check_params(params)
-    defaults = _dry_run(optimizer_class, kwargs, {p.dim(): p.dtype for p in params})
+    spec = describe_optimizer(optimizer_class, kwargs, {p.dim(): p.dtype for p in params})
     _check_not_annotated(params, optimizer_class, kwargs, replace)
 
-    group = AnnotationGroup(optimizer_class, kwargs, defaults)
+    group = AnnotationGroup(spec)
     for param in params:
         _annotate(param, group)
     return group
@@ -222,12 +185,6 @@ def _check_class(optimizer_class: Any) -> None:
         )
 
 
-def needs_closure(optimizer_class: type[torch.optim.Optimizer]) -> bool:
-    """True if ``optimizer_class.step`` cannot run without a closure (LBFGS)."""
-    closure = inspect.signature(optimizer_class.step).parameters.get("closure")
-    return closure is not None and closure.default is inspect.Parameter.empty
-
-
 def _accepted_kwargs(optimizer_class: type[torch.optim.Optimizer]) -> list[str]:
     signature = inspect.signature(optimizer_class.__init__)
     return [
@@ -267,35 +224,6 @@ def _check_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
             )
         unique[id(p)] = p
     return list(unique.values())
-
-
-def _dry_run(
-    optimizer_class: type[torch.optim.Optimizer],
-    kwargs: dict[str, Any],
-    shapes: dict[int, torch.dtype],
-) -> dict[str, Any]:
-    """Build and step the optimizer on tiny stand-ins, one per rank of tensor
-    annotated, so that a bad value or a step that cannot run alone fails here
-    and not in the middle of backward. Returns the completed defaults."""
-    defaults: dict[str, Any] = {}
-    for ndim, dtype in shapes.items():
-        stand_in = torch.ones((2,) * ndim, dtype=dtype, requires_grad=True)
-        stand_in.grad = torch.ones_like(stand_in)
-        try:
-            optimizer = optimizer_class([stand_in], **kwargs)
-        except ValueError as err:
-            raise ValueError(f"{optimizer_class.__name__}({kwargs}) rejected a value: {err}") from None
-        except TypeError as err:
-            raise TypeError(f"{optimizer_class.__name__}({kwargs}) failed: {err}") from None
-        try:
-            optimizer.step()
-        except Exception as err:  # any failure means it cannot run in backward
-            raise ValueError(
-                f"{optimizer_class.__name__}({kwargs}) cannot step a {ndim}-d {dtype} "
-                f"parameter on its own in backward: {type(err).__name__}: {err}"
-            ) from None
-        defaults = optimizer.defaults
-    return dict(defaults)
 
 
 def _check_not_annotated(

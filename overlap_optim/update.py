@@ -4,10 +4,11 @@
   group's current hyperparameters, then the gradient is released.
 - :func:`step_params`: many parameters at once, one foreach or fused update per
   set of compatible settings (virtual parameter groups).
-- :class:`RowOptimizer`: the rows of a table that a batch touched (lazy).
+- :class:`RowOptimizer`: the rows of a table that a batch touched (lazy);
+  :class:`DenseTableOptimizer`: a whole table, untouched rows on a zero gradient.
 
 State made by ``init_state()`` and never loaded over is a placeholder; the rule
-that drops it before the first real update lives in :func:`_fresh_state`.
+that drops it before the first real update lives in :func:`_real_state`.
 
 Multi-tensor updates: parameters whose optimizer class and non-float settings agree (Adam's amsgrad,
 SGD's nesterov, RMSprop's centered, ...) are stepped together, each with its own
@@ -34,9 +35,10 @@ import torch
 if TYPE_CHECKING:
     from overlap_optim.annotation import AnnotationGroup
 
-__all__ = ["step_param", "step_params", "fused_key", "live_optimizer", "RowOptimizer", "state_layout", "PROBE_DIM"]
-
-PROBE_DIM = 3
+__all__ = [
+    "step_param", "step_params", "fused_key", "live_optimizer", "init_placeholder_state", "load_param_state",
+    "RowOptimizer", "DenseTableOptimizer", "TableOptimizer", "table_optimizer",
+]
 
 _Key = tuple[Any, ...]
 
@@ -61,7 +63,11 @@ def step_params(params: list[torch.Tensor]) -> None:
     """Step every param (each has ``.grad`` set) and release its grad: one foreach
     update per set of compatible settings, the param's own step for the rest."""
     sets: dict[_Key, list[torch.Tensor]] = {}
+    checked: set[int] = set()
     for param in params:
+        if id(param._overlap_group) not in checked:  # before fused_key reads the fixed settings
+            check_live(param)
+            checked.add(id(param._overlap_group))
         key = fused_key(param)
         if key is None:
             step_param(param)
@@ -188,10 +194,18 @@ def step_param(param: torch.Tensor) -> None:
     hyperparameters, then release the grad."""
     optimizer = live_optimizer(param)
     assert optimizer is not None, "step_param on a parameter without a live optimizer"
+    check_live(param)
     _real_state(param, optimizer)
     optimizer.param_groups[0].update(param._overlap_group.hyperparameters())
     optimizer.step()
     param.grad = None
+
+
+def check_live(param: torch.Tensor) -> None:
+    """Refuse a fixed (non-float) setting of ``param``'s group changed since annotation."""
+    group = param._overlap_group
+    where = f"a parameter of shape {tuple(param.shape)} in param group {group.order} ({group.spec.name})"
+    group.spec.check_live(group.param_group, where)
 
 
 def init_placeholder_state(param: torch.Tensor) -> None:
@@ -255,29 +269,29 @@ def _real_state(param: torch.Tensor, optimizer: torch.optim.Optimizer) -> dict[s
 class RowOptimizer:
     """``optimizer_class`` applied lazily to the touched rows of one 2-D table.
 
+    Only for row-separable optimizers (``group.spec.row_separable``).
+
     Args:
         weight: the table (or this rank's shard of it), ``(rows, dim)``; updated in place.
         group: the table's annotation.
-        param_group: where the current hyperparameters are read at every step
-            (default: ``group.param_group``), so LR schedules reach the table.
+        name: the table's name, for errors.
 
     Example:
-        >>> rows = RowOptimizer(table_weight, table_weight_annotation_group)
+        >>> rows = RowOptimizer(table_weight, table_weight_annotation_group, "t0")
         >>> rows.step(torch.tensor([3, 7]), row_grads)  # row_grads: (2, dim)
     """
 
-    def __init__(
-        self, weight: torch.Tensor, group: AnnotationGroup, param_group: dict[str, Any] | None = None
-    ) -> None:
+    semantics = "lazy"
+
+    def __init__(self, weight: torch.Tensor, group: AnnotationGroup, name: str = "?") -> None:
         assert weight.dim() == 2, "a table is 2-D"
-        self.weight = weight
-        self.group = group
-        self.param_group = group.param_group if param_group is None else param_group
+        assert group.spec.row_separable, f"{group.spec.name} is not row-separable"
+        self.weight, self.group, self.name = weight, group, name
+        self.param_group = group.param_group
         # A reusable optimizer whose param and state are swapped in at each step.
         self._placeholder = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
         self._optimizer = group.optimizer_class([self._placeholder], **group.optimizer_kwargs)
-        self._fresh_rows, _ = state_layout(group, weight.dtype)
-        self._row_keys = set(self._fresh_rows)
+        self._row_keys = group.spec.row_keys()
         self.row_state: dict[str, torch.Tensor] = {}
         self.table_state: dict[str, Any] = {}
         self.placeholder_state = False
@@ -286,6 +300,7 @@ class RowOptimizer:
     def step(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """Update rows ``ids`` (unique, 1-D, possibly empty) with their summed gradients ``grads``."""
         assert ids.dim() == 1 and grads.shape == (ids.numel(), self.weight.shape[1])
+        self.group.spec.check_live(self.param_group, f"table {self.name!r}")
         if self.placeholder_state:  # made by init_state and never loaded over: start afresh
             self.row_state, self.table_state, self.placeholder_state = {}, {}, False
         rows = self.weight.index_select(0, ids)
@@ -298,12 +313,13 @@ class RowOptimizer:
             optimizer.param_groups[0]["params"] = [rows]
             optimizer.state.clear()
             optimizer.state[rows] = self.state_for_rows(ids)
-        optimizer.param_groups[0].update({k: v for k, v in self.param_group.items() if k != "params"})
+        optimizer.param_groups[0].update(self.group.hyperparameters())
         try:
             optimizer.step()
         finally:
             stepped = optimizer.state.pop(rows, {})
             self._optimizer.param_groups[0]["params"] = [self._placeholder]
+        self._check_layout(stepped)
         if first:
             self._allocate()
         self.weight.index_copy_(0, ids, rows)
@@ -334,11 +350,6 @@ class RowOptimizer:
         self.placeholder_state = False
 
     @property
-    def row_keys(self) -> set[str]:
-        """The names of the per-row state entries."""
-        return set(self._row_keys)
-
-    @property
     def state(self) -> dict[str, Any]:
         """The whole table's state under torch.optim's names (empty before the first step)."""
         return {**self.row_state, **self.table_state}
@@ -347,29 +358,98 @@ class RowOptimizer:
         """The optimizer state of rows ``ids``, as torch.optim would hold it for them."""
         return {**{k: v.index_select(0, ids) for k, v in self.row_state.items()}, **self.table_state}
 
+    def _check_layout(self, stepped: dict[str, Any]) -> None:
+        """A float setting changed at run time can change the state an optimizer keeps (SGD's
+        momentum from 0): the rows untouched so far would have no such state. Refuse."""
+        known = set(self.group.spec.state or {})
+        new = sorted(set(stepped) - known)
+        if new:
+            raise ValueError(
+                f"table {self.name!r}: {self.group.spec.name} now keeps state {new} that it did not keep when "
+                f"annotated, after {self.group.spec.changed_floats(self.param_group)} at run time; the rows not "
+                "touched so far have none. Annotate the table with that setting from the start"
+            )
+
     def _allocate(self) -> None:
         rows, dim = self.weight.shape
-        for key, (fill, tail) in self._fresh_rows.items():
-            shape = (rows, *(dim if size == PROBE_DIM else size for size in tail))
-            self.row_state[key] = torch.full(shape, fill, dtype=self.weight.dtype, device=self.weight.device)
+        for key in self._row_keys:
+            entry = self.group.spec.state[key]
+            shape = (rows, *(dim if size == -1 else size for size in entry.tail))
+            self.row_state[key] = torch.full(shape, entry.fresh, dtype=self.weight.dtype, device=self.weight.device)
 
 
-def state_layout(
-    group: AnnotationGroup, dtype: torch.dtype = torch.float32
-) -> tuple[dict[str, tuple[float, tuple[int, ...]]], list[str]]:
-    """Which state entries of ``group``'s optimizer are per row, and what a fresh row holds.
+class DenseTableOptimizer:
+    """``optimizer_class`` on the whole of one 2-D table (or shard), every step.
 
-    Returns ``({name: (fresh value, trailing shape)}, [per-table names])``, where a trailing size of
-    ``PROBE_DIM`` stands for the table's dim. It runs one step on a zero
-    ``(2, PROBE_DIM)`` stand-in with a zero gradient: entries whose first
-    dimension is 2 are per row; the others (``step``...) are per table.
+    Dense semantics, as ``torch.optim`` on an ``nn.EmbeddingBag`` with a dense
+    gradient: rows the batch did not touch get a zero gradient and are stepped
+    too. Exact for any optimizer while the table is whole, and on a shard split
+    along an axis the optimizer is separable by. Cost follows the shard size.
+    Same interface as :class:`RowOptimizer`.
     """
-    stand_in = torch.zeros(2, PROBE_DIM, dtype=dtype)
-    stand_in.grad = torch.zeros_like(stand_in)
-    probe = group.optimizer_class([stand_in], **group.optimizer_kwargs)
-    probe.step()
-    fresh = {}
-    for key, value in probe.state[stand_in].items():
-        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == 2:
-            fresh[key] = (value.flatten()[0].item(), tuple(value.shape[1:]))
-    return fresh, [key for key in probe.state[stand_in] if key not in fresh]
+
+    semantics = "dense"
+
+    def __init__(self, weight: torch.Tensor, group: AnnotationGroup, name: str = "?") -> None:
+        assert weight.dim() == 2, "a table is 2-D"
+        self.weight, self.group, self.name = weight, group, name
+        self.param_group = group.param_group
+        self._optimizer = group.optimizer_class([weight], **group.optimizer_kwargs)
+        self._row_keys = group.spec.row_keys()
+        self.placeholder_state = False
+
+    @torch.no_grad()
+    def step(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """Step the whole table on the gradient that is ``grads`` at rows ``ids`` (unique) and zero elsewhere."""
+        self.group.spec.check_live(self.param_group, f"table {self.name!r}")
+        if self.placeholder_state:
+            self._optimizer.state.clear()
+            self.placeholder_state = False
+        grad = torch.zeros_like(self.weight)
+        grad.index_copy_(0, ids, grads.to(grad.dtype))
+        self.weight.grad = grad
+        self._optimizer.param_groups[0].update(self.group.hyperparameters())
+        try:
+            self._optimizer.step()
+        finally:
+            self.weight.grad = None
+
+    def init_state(self) -> None:
+        """Create the state if there is none (a placeholder, as :meth:`RowOptimizer.init_state`); weights stay."""
+        if self.state:
+            return
+        kept = self.weight.clone()
+        self.step(torch.empty(0, dtype=torch.long, device=self.weight.device), self.weight.new_zeros(0, self.weight.shape[1]))
+        self.weight.copy_(kept)
+        self.placeholder_state = True
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Replace the state with copies of ``state``."""
+        self._optimizer.state.clear()
+        self._optimizer.state[self.weight] = {
+            k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()
+        }
+        self.placeholder_state = False
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return dict(self._optimizer.state.get(self.weight, {}))
+
+    @property
+    def row_state(self) -> dict[str, torch.Tensor]:
+        """Entries that slice by rows (saved as sharded tensors)."""
+        return {k: v for k, v in self.state.items() if k in self._row_keys}
+
+    @property
+    def table_state(self) -> dict[str, Any]:
+        """Every other entry (scalars, per-column and whole-table state), saved as plain values."""
+        return {k: v for k, v in self.state.items() if k not in self._row_keys}
+
+
+TableOptimizer = RowOptimizer | DenseTableOptimizer
+
+
+def table_optimizer(weight: torch.Tensor, group: AnnotationGroup, name: str, semantics: str) -> TableOptimizer:
+    """The optimizer of one table shard: ``semantics`` "lazy" (touched rows) or "dense" (every row)."""
+    kinds = {"lazy": RowOptimizer, "dense": DenseTableOptimizer}
+    return kinds[semantics](weight, group, name)

@@ -10,7 +10,7 @@ from sharders.embeddingbag import TableDecision, kernels_of
 
 __all__ = ["describe", "kernel_rows"]
 
-_HEADER = ("rank", "module", "kernel", "sharding type", "tables", "optimizer", "runs as", "why not fused")
+_HEADER = ("rank", "module", "kernel", "sharding type", "tables", "optimizer", "runs as", "semantics", "why not fused")
 
 
 def kernel_rows(model: nn.Module) -> list[tuple[str, ...]]:
@@ -32,6 +32,7 @@ def kernel_rows(model: nn.Module) -> list[tuple[str, ...]]:
                 ", ".join(tables),
                 _setting(first),
                 _runs_as(first),
+                first.semantics,
                 first.choice.reason if first.kernel in ("fallback", "user") else "",
             ))
     return rows
@@ -39,8 +40,9 @@ def kernel_rows(model: nn.Module) -> list[tuple[str, ...]]:
 
 def describe(model: nn.Module) -> str:
     """A markdown table of every kernel on every rank: its tables, sharding type,
-    optimizer and settings, fused or fallback, and for a fallback which setting
-    prevented fusion.
+    optimizer and settings, fused or fallback, its semantics ("lazy": only the
+    rows a batch touched change; "dense": every row steps, untouched ones on a
+    zero gradient), and for a fallback which setting prevented fusion.
 
     Under ``torch.distributed`` this is a collective: call it on every rank; each
     returns the whole table.
@@ -69,4 +71,6 @@ def _runs_as(decision: TableDecision) -> str:
         return f"fused {decision.choice.fbgemm_kwargs['optimizer'].name}"
     if decision.kernel == "data_parallel_hook":
         return "torch.optim after all-reduce (DDP hook)"
+    if decision.semantics == "dense":
+        return "fallback: torch.optim on the whole table"
     return "fallback: torch.optim on touched rows"

@@ -19,8 +19,12 @@ plain DDP): its gradient is handed back on the sharded weight's ``.grad`` for
 the user's own optimizer (see ``overlap_optim.unoptimized_parameters``); stock
 TorchRec would silently train it with FBGEMM's default SGD.
 
-Refused at sharding time, with the table's name: an optimizer that needs a closure, and torchrec's ``RowWiseAdagrad`` on a table
-whose rows are split into column shards (its per-row state needs whole rows).
+Refused at sharding time, with the table's name: an optimizer that needs a
+closure, and a table split into row (column) shards whose optimizer the
+optimizer model (:mod:`overlap_optim.spec`) finds not separable by rows
+(columns): Adafactor, Muon, CAME, and torchrec's ``RowWiseAdagrad`` on column
+shards. A whole table whose optimizer is not row-separable runs with dense
+semantics in the fallback.
 """
 
 from __future__ import annotations
@@ -38,12 +42,12 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder as _
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
-from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-from overlap_optim.annotation import AnnotationGroup
+from overlap_optim.spec import AnnotationGroup, describe_optimizer, needs_closure
 from overlap_optim.comm_hooks import OptimizerHookState
 from overlap_optim.ddp import install_optimizer_hook
 from sharders.fallback import FallbackEmbeddingBag
+from sharders.fbgemm import install_fused_kernel_hooks
 from sharders.optimizer_table import KernelChoice, choose_kernel
 from sharders.table_state import ShardedTables
 
@@ -65,6 +69,16 @@ class TableDecision:
     sharding_type: str
     group: AnnotationGroup | None  # None: no annotation, the gradient goes back to the user
     choice: KernelChoice
+
+    @property
+    def semantics(self) -> str:
+        """"lazy": only the rows a batch touched change; "dense": every row steps, on a zero
+        gradient where untouched (the whole-table optimizer); "user": not ours to step."""
+        if self.group is None:
+            return "user"
+        if self.kernel == "fallback" and not self.group.spec.row_separable:
+            return "dense"
+        return "dense" if self.kernel == "data_parallel_hook" else "lazy"
 
     @property
     def kernel(self) -> str:
@@ -124,7 +138,8 @@ class EmbeddingBagCollectionSharder(_TorchRecSharder):
         with _translated_annotations(module, decisions):
             sharded = super().shard(module, params, env, device, module_fqn)
         _install_fallback_kernels(sharded, decisions)
-        _install_fused_kernel_hooks(sharded, decisions)
+        fused = [k for lookup, k in kernels_of(sharded) if _is_fused(lookup, k)]
+        install_fused_kernel_hooks(fused, {n: d.group for n, d in decisions.items()}, device.type)
         for name, decision in decisions.items():  # the sharded module holds the tables now
             if decision.group is None:
                 continue
@@ -135,39 +150,6 @@ class EmbeddingBagCollectionSharder(_TorchRecSharder):
         sharded._overlap_decisions = decisions
         sharded.overlap_tables = ShardedTables(sharded, decisions, env.process_group)
         return sharded
-
-
-def _install_fused_kernel_hooks(sharded: ShardedEmbeddingBagCollection, decisions: dict[str, TableDecision]) -> None:
-    """Give every fused kernel its group's live learning rate, and count its steps.
-
-    TorchRec applies a fused kernel's LR only in ``fused_optimizer.step()``,
-    after backward: a schedule would reach the kernel one step late. The kernel's
-    own forward pre-hook sets it from the annotation group instead, so it reaches
-    the very next backward, as for fallback, data-parallel and dense parameters;
-    kernels are called the same way under DMP and TorchRec's train pipelines.
-    FBGEMM keeps no step count for Adagrad: ``overlap_steps`` counts the backward
-    passes that reached the kernel, which is torch.optim's ``step``.
-    """
-    for lookup, kernel in kernels_of(sharded):
-        if isinstance(lookup, DistributedDataParallel) or kernel.config.compute_kernel != EmbeddingComputeKernel.FUSED:
-            continue
-        kernel.overlap_group = decisions[kernel.config.embedding_tables[0].name].group
-        kernel.overlap_steps = 0
-        kernel.register_forward_pre_hook(_set_group_learning_rate)
-        kernel.register_forward_hook(_count_step_in_backward)
-
-
-def _set_group_learning_rate(kernel: nn.Module, _inputs: Any) -> None:
-    kernel.emb_module.set_learning_rate(float(kernel.overlap_group.param_group["lr"]))
-
-
-def _count_step_in_backward(kernel: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
-    if output.requires_grad:
-        output.register_hook(lambda grad: _add_step(kernel))
-
-
-def _add_step(kernel: nn.Module) -> None:
-    kernel.overlap_steps += 1
 
 
 def annotation_of(
@@ -189,7 +171,12 @@ def annotation_of(
     made = {} if torch_made is None else torch_made
     label = _setting_label(cls, kwargs)
     if label not in made:
-        made[label] = AnnotationGroup(cls, kwargs, cls([torch.zeros(2, 2)], **kwargs).defaults)
+        if needs_closure(cls):
+            raise ValueError(f"table {table!r}: {cls.__name__} needs a closure in step() and cannot run in backward")
+        try:
+            made[label] = AnnotationGroup(describe_optimizer(cls, kwargs))
+        except (TypeError, ValueError, NotImplementedError) as err:  # name the table torch annotated
+            raise type(err)(f"table {table!r}: {err}") from None
     return made[label]
 
 
@@ -204,20 +191,34 @@ def _decide(
     group = annotation_of(module.embedding_bags[table].weight, table, torch_made)
     if group is None:  # TorchRec's dense kernel: the gradient is handed back on the weight
         return TableDecision(table, sharding.sharding_type, None, KernelChoice(False, reason="no annotation"))
-    choice = choose_kernel(group.optimizer_class, group.optimizer_kwargs, device.type, table=table)
+    choice = choose_kernel(
+        group.optimizer_class, group.optimizer_kwargs, device.type, table=table, settings=group.hyperparameters()
+    )
     if choice.fused and table in pinned:
         choice = KernelChoice(False, reason="pinned to the fallback (fallback_tables)")
     elif choice.fused and sharding.compute_kernel == EmbeddingComputeKernel.DENSE.value:
         choice = KernelChoice(False, reason="the plan gives it compute kernel 'dense'")
-    if group.optimizer_class is RowWiseAdagrad and sharding.sharding_type in _COLUMN_SPLITTING:
-        shards = sharding.sharding_spec.shards if sharding.sharding_spec is not None else []
-        if len({s.shard_offsets[1] for s in shards}) > 1:
-            raise ValueError(
-                f"table {table!r}: RowWiseAdagrad keeps one accumulator per whole row, and "
-                f"{sharding.sharding_type} sharding splits rows into column shards; use table_wise, "
-                "row_wise, table_row_wise or data_parallel for this table"
-            )
+    _check_separable(table, group, sharding)
     return TableDecision(table, sharding.sharding_type, group, choice)
+
+
+def _check_separable(table: str, group: AnnotationGroup, sharding: ParameterSharding) -> None:
+    """Refuse a table split along an axis its optimizer cannot be split by (its update reads
+    the whole matrix: Adafactor's factored moments, Muon's orthogonalisation, a per-row
+    accumulator split into column shards)."""
+    shards = sharding.sharding_spec.shards if sharding.sharding_spec is not None else []
+    spec = group.spec
+    for axis, what, separable in ((0, "row", spec.row_separable), (1, "column", spec.column_separable)):
+        if separable or len({s.shard_offsets[axis] for s in shards}) <= 1:
+            continue
+        works = ["table_wise", "data_parallel"]
+        works += list(_ROW_SPLITTING) if spec.row_separable else []
+        works += list(_COLUMN_SPLITTING) if spec.column_separable else []
+        raise ValueError(
+            f"table {table!r}: {spec.name}'s update is not separable by {what}s (stepping {what} pieces "
+            f"apart differs from stepping the whole table), and {sharding.sharding_type} sharding splits "
+            f"this table into {what} shards; use {', '.join(works)} for this table"
+        )
 
 
 def _with_kernel(sharding: ParameterSharding, decision: TableDecision | None) -> ParameterSharding:
@@ -263,6 +264,10 @@ def _translated_annotations(module: nn.Module, decisions: dict[str, TableDecisio
             weight.__dict__.update(attrs)
 
 
+def _is_fused(lookup: nn.Module, kernel: nn.Module) -> bool:
+    return not isinstance(lookup, DistributedDataParallel) and kernel.config.compute_kernel == EmbeddingComputeKernel.FUSED
+
+
 def kernels_of(sharded: ShardedEmbeddingBagCollection) -> Iterator[tuple[nn.Module, nn.Module]]:
     """(lookup, kernel) for every kernel of every lookup of a sharded EBC."""
     for lookup in sharded._lookups:
@@ -275,11 +280,12 @@ def _install_fallback_kernels(sharded: ShardedEmbeddingBagCollection, decisions:
     for lookup, kernel in kernels_of(sharded):
         if isinstance(lookup, DistributedDataParallel) or kernel.config.compute_kernel != EmbeddingComputeKernel.DENSE:
             continue
-        groups = {t.name: decisions[t.name].group for t in kernel.config.embedding_tables}
-        if None in groups.values():  # unannotated tables (a kernel of their own): left to the user
-            assert set(groups.values()) == {None}, groups
+        tables = {t.name: decisions[t.name] for t in kernel.config.embedding_tables}
+        if any(d.group is None for d in tables.values()):  # unannotated tables (a kernel of their own): the user's
+            assert all(d.group is None for d in tables.values()), tables
             continue
-        optimizer = FallbackEmbeddingBag.adopt(kernel, groups).fallback_optimizer
+        semantics = {name: (d.group, d.semantics) for name, d in tables.items()}
+        optimizer = FallbackEmbeddingBag.adopt(kernel, semantics).fallback_optimizer
         # TorchRec combined its kernels' fused optimizers before we saw them; add ours,
         # keyed as TorchRec keys the fused ones, so DMP's fused_optimizer covers them too.
         optimizer.params = {f"embedding_bags.{k}": v for k, v in optimizer.params.items()}

@@ -6,8 +6,10 @@ For tables whose optimizer FBGEMM cannot compute exactly (see
 plumbing we keep) and turns it into a :class:`FallbackEmbeddingBag`. Its
 forward is the dense kernel's lookup without an autograd graph on the weights;
 its backward turns the pooled output gradient into one summed gradient per
-touched row, and runs each table's :class:`~overlap_optim.update.RowOptimizer`.
-No gradient the size of a table is ever made: the cost follows the touched rows.
+touched row, and runs each table's :class:`~overlap_optim.update.RowOptimizer`
+(lazy: no gradient the size of a table is ever made, the cost follows the
+touched rows), or, for an optimizer that is not row-separable, its
+:class:`~overlap_optim.update.DenseTableOptimizer` (dense: the whole shard steps).
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from torchrec.distributed.batched_embedding_kernel import BatchedDenseEmbeddingB
 from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from overlap_optim.annotation import AnnotationGroup
-from overlap_optim.update import RowOptimizer
+from overlap_optim.spec import AnnotationGroup
+from overlap_optim.update import TableOptimizer, table_optimizer
 
 __all__ = ["FallbackEmbeddingBag", "FallbackOptimizer"]
 
@@ -34,10 +36,12 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
     i-th table (shard), a ``(rows, dim)`` view of the dense kernel's weights.
     """
 
-    row_optimizers: list[RowOptimizer]
+    row_optimizers: list[TableOptimizer]
 
     @classmethod
-    def adopt(cls, dense: BatchedDenseEmbeddingBag, groups: dict[str, AnnotationGroup]) -> FallbackEmbeddingBag:
+    def adopt(
+        cls, dense: BatchedDenseEmbeddingBag, tables: dict[str, tuple[AnnotationGroup, str]]
+    ) -> FallbackEmbeddingBag:
         """Turn ``dense`` into a fallback kernel in place and return it.
 
         TorchRec's lookup builds kernels from a closed switch with no registry,
@@ -47,18 +51,18 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
 
         Args:
             dense: a kernel built for compute kernel "dense".
-            groups: table name -> its annotation group.
+            tables: table name -> (its annotation group, "lazy" or "dense" semantics).
         """
         assert isinstance(dense, BatchedDenseEmbeddingBag)
         dense.__class__ = cls
         weights = dense.emb_module.split_embedding_weights()
         names = [t.name for t in dense.config.embedding_tables]
-        tables = dict(dense.named_parameters_by_table())
+        params = dict(dense.named_parameters_by_table())
         # The annotation groups' own dicts: an LR schedule reaches the next backward.
-        param_groups = list({id(groups[n]): groups[n].param_group for n in names}.values())
-        dense.row_optimizers = [RowOptimizer(w, groups[n]) for w, n in zip(weights, names)]
+        param_groups = list({id(tables[n][0]): tables[n][0].param_group for n in names}.values())
+        dense.row_optimizers = [table_optimizer(w, tables[n][0], n, tables[n][1]) for w, n in zip(weights, names)]
         dense.fallback_optimizer = FallbackOptimizer(
-            {f"{n}.weight": tables[n] for n in names}, dense.row_optimizers, param_groups
+            {f"{n}.weight": params[n] for n in names}, dense.row_optimizers, param_groups
         )
         # Nothing of the weights is in the graph; the anchor lets backward reach us.
         dense.emb_module.weights.requires_grad_(False)
@@ -133,7 +137,7 @@ class FallbackOptimizer(KeyedOptimizer):
     did it. The plan-independent view is ``overlap_optim.get_optimizers``.
     """
 
-    def __init__(self, params: dict[str, torch.Tensor], rows: list[RowOptimizer], param_groups: list[dict]) -> None:
+    def __init__(self, params: dict[str, torch.Tensor], rows: list[TableOptimizer], param_groups: list[dict]) -> None:
         super().__init__(params, _RowState(list(params.values()), rows), param_groups)
 
     def step(self, closure: Any = None) -> None:
@@ -146,7 +150,7 @@ class FallbackOptimizer(KeyedOptimizer):
 class _RowState(Mapping):
     """``table param -> its RowOptimizer state``, read live; tables not yet stepped are absent."""
 
-    def __init__(self, params: list[torch.Tensor], rows: list[RowOptimizer]) -> None:
+    def __init__(self, params: list[torch.Tensor], rows: list[TableOptimizer]) -> None:
         self._pairs = list(zip(params, rows))
 
     def __getitem__(self, param):

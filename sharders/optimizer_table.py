@@ -28,7 +28,7 @@ import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-from overlap_optim.annotation import needs_closure
+from overlap_optim.spec import describe_optimizer, needs_closure
 
 __all__ = ["KernelChoice", "choose_kernel", "RULES", "DOC_EXAMPLES", "decision_table_markdown"]
 
@@ -47,12 +47,6 @@ class KernelChoice:
     fused: bool
     fbgemm_kwargs: dict[str, Any] = field(default_factory=dict)
     reason: str = ""
-
-
-def _settings(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The kwargs completed with the class defaults, as the optimizer would see them."""
-    probe = torch.zeros(1, 1, requires_grad=True)
-    return dict(cls([probe], **kwargs).defaults)
 
 
 def _unsupported(s: dict[str, Any], **neutral: Any) -> str:
@@ -115,8 +109,14 @@ def choose_kernel(
     device_type: str,
     *,
     table: str = "?",
+    settings: dict[str, Any] | None = None,
 ) -> KernelChoice:
     """Decide where ``table``'s update runs on ``device_type``.
+
+    ``settings``: the complete current settings (a live param group); by
+    default the kwargs completed with the class defaults. The fused kernel of a
+    table re-runs this rule on its live param group before every forward, so a
+    setting changed at run time either reaches FBGEMM translated or is refused.
 
     Raises:
         ValueError: the device type is unknown, or the optimizer cannot run in
@@ -131,7 +131,9 @@ def choose_kernel(
     rule = RULES[device_type].get(optimizer_class)
     if rule is None:
         return KernelChoice(False, reason=f"{optimizer_class.__name__}: FBGEMM has no kernel verified exact on {device_type}")
-    return rule(_settings(optimizer_class, optimizer_kwargs), device_type)
+    if settings is None:
+        settings = describe_optimizer(optimizer_class, optimizer_kwargs).defaults
+    return rule(settings, device_type)
 
 
 def decision_table_markdown(

@@ -29,23 +29,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
-from overlap_optim.annotation import AnnotationGroup
-from overlap_optim.update import PROBE_DIM, RowOptimizer, state_layout
+from overlap_optim.spec import AnnotationGroup
+from overlap_optim.update import TableOptimizer
+from sharders.fbgemm import FUSED_ROW_STATE
 
 __all__ = ["ShardedTables"]
-
-# Per-row state of each fused kernel type: name -> row-wise (one value per row)?
-_FUSED_ROW_STATE = {
-    EmbOptimType.EXACT_SGD: {},
-    EmbOptimType.EXACT_ADAGRAD: {"sum": False},
-    EmbOptimType.EXACT_ROWWISE_ADAGRAD: {"sum": True},
-}
-
 
 @dataclasses.dataclass
 class _Piece:
@@ -54,7 +46,7 @@ class _Piece:
     metadata: ShardMetadata  # of the weight shard
     kernel: Any = None  # a fused kernel, with its table index
     index: int = 0
-    rows: RowOptimizer | None = None  # or the fallback's row optimizer
+    rows: TableOptimizer | None = None  # or the fallback's table optimizer
 
     def row_state(self, row_names: dict[str, bool]) -> dict[str, torch.Tensor]:
         if self.rows is not None:
@@ -101,12 +93,12 @@ class ShardedTables:
                 del self.weights[name]
                 continue
             if decision.kernel == "fused":
-                row_names = dict(_FUSED_ROW_STATE[decision.choice.fbgemm_kwargs["optimizer"]])
+                row_names = dict(FUSED_ROW_STATE[decision.choice.fbgemm_kwargs["optimizer"]])
                 scalars = ["step"] if row_names else []
             else:
-                layout, scalars = state_layout(decision.group, weight.metadata().tensor_properties.dtype)
-                assert all(tail in ((PROBE_DIM,), (1,)) for _, tail in layout.values()), layout
-                row_names = {n: tail == (1,) for n, (_, tail) in layout.items()}
+                spec = decision.group.spec
+                row_names = {n: spec.state[n].layout == "row" for n in spec.row_keys()}
+                scalars = [n for n in spec.state if n not in row_names]
             self.tables[name] = _Table(
                 name,
                 decision.group,

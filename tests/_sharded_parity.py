@@ -129,16 +129,45 @@ def train_and_compare(
 SHARDING_TYPES = ("data_parallel", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
 
 
-def matrix(rank, world_size, cases, sharding_types=SHARDING_TYPES):
-    """Every case as its own table of one EBC, for each sharding type."""
-    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
-
-    moved = {}
+def matrix(rank, world_size, cases, sharding_types=SHARDING_TYPES, partial=()):
+    """Every case as its own table of one EBC, for each sharding type. A case whose optimizer
+    the optimizer model finds not separable along the axis a sharding type splits is built
+    alone instead, and its refusal message is returned. ``partial``: sharding types to run
+    again, with the cases that are not row-separable (dense semantics), on batches that touch
+    only some rows."""
+    out = {"moved": {}, "refused": {}, "partial": {}}
     for sharding_type in sharding_types:
-        kept = [c for c in cases if not (sharding_type in COLUMN_SPLITTING and c[1] is RowWiseAdagrad)]
+        kept = [c for c in cases if _separable_for(c, sharding_type)]
         names = [c[0] for c in kept]
-        moved[sharding_type] = train_and_compare(rank, world_size, names, [(c[1], c[2]) for c in kept], sharding_type)
-    return moved
+        out["moved"][sharding_type] = train_and_compare(
+            rank, world_size, names, [(c[1], c[2]) for c in kept], sharding_type
+        )
+        for case in cases:
+            if case not in kept:
+                out["refused"][f"{sharding_type}/{case[0]}"] = _refusal(case, sharding_type, world_size)
+    dense = [c for c in cases if not _separable_for(c, "row_wise")]  # lazy ones differ on partial batches
+    for sharding_type in partial:
+        out["partial"][sharding_type] = train_and_compare(
+            rank, world_size, [c[0] for c in dense], [(c[1], c[2]) for c in dense], sharding_type, cover=False, steps=4
+        )
+    return out
+
+
+def _separable_for(case, sharding_type) -> bool:
+    from overlap_optim.spec import describe_optimizer
+
+    spec = describe_optimizer(case[1], case[2])
+    if sharding_type in ("row_wise", "table_row_wise"):
+        return spec.row_separable
+    return spec.column_separable if sharding_type in COLUMN_SPLITTING else True
+
+
+def _refusal(case, sharding_type, world_size) -> str:
+    try:
+        build([case[0]], [(case[1], case[2])], sharding_type, world_size)
+    except ValueError as err:
+        return str(err)
+    return "accepted"
 
 
 def count_collectives(dmp, batch) -> int:

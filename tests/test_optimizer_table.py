@@ -116,7 +116,7 @@ def test_sharding_refuses_closure_optimizers_annotated_through_torch(world_of_on
 
 
 def test_sharding_refuses_rowwise_adagrad_split_into_column_shards(world_of_one):
-    with pytest.raises(ValueError, match="table 'rw': RowWiseAdagrad keeps one accumulator per whole row"):
+    with pytest.raises(ValueError, match="table 'rw': RowWiseAdagrad's update is not separable by columns .* use table_wise, data_parallel, row_wise, table_row_wise for this table"):
         build(["rw"], [(RowWiseAdagrad, {"lr": 0.1})], "column_wise", 1)
 
 

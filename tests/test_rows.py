@@ -6,7 +6,7 @@ import pytest
 import torch
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-from overlap_optim.annotation import AnnotationGroup
+from overlap_optim.spec import AnnotationGroup, describe_optimizer
 from overlap_optim.update import RowOptimizer
 
 CASES = [
@@ -23,7 +23,7 @@ CASES = [
 
 
 def _rows(weight, cls, kwargs) -> RowOptimizer:
-    return RowOptimizer(weight, AnnotationGroup(cls, kwargs, cls([torch.zeros(2, 2)], **kwargs).defaults))
+    return RowOptimizer(weight, AnnotationGroup(describe_optimizer(cls, kwargs)))
 
 
 @pytest.mark.parametrize("cls, kwargs", CASES, ids=[c[0].__name__ for c in CASES])

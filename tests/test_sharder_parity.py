@@ -2,13 +2,19 @@
 
 Reference: the same model unsharded in one process, plain torch.optim per table, fed the
 concatenated global batch with a mean loss. Sharded: each rank its own local batch, mean loss.
-Batches touch every row, so lazy and dense semantics coincide. Weights are compared after
-every step.
+Batches touch every row, so lazy and dense semantics coincide; the tables whose optimizer is
+not row-separable (dense semantics) are trained again on batches that touch only some rows.
+Weights are compared after every step. Every torch.optim optimizer of torch 2.13 is here but
+LBFGS (closure) and SparseAdam (sparse gradients only), plus came-pytorch's CAME.
 """
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
+from came_pytorch import CAME
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from overlap_optim.testing import run_ranks
@@ -33,13 +39,56 @@ CASES = [
     ("radam", torch.optim.RAdam, {"lr": 0.05}),
     ("rowwise_adagrad", RowWiseAdagrad, {"lr": 0.2}),
     ("rowwise_adagrad_wd", RowWiseAdagrad, {"lr": 0.2, "weight_decay": 0.05}),  # FBGEMM CPU drops wd
+    ("sgd_dampening", torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.3}),
+    ("adam_maximize", torch.optim.Adam, {"lr": 0.05, "maximize": True}),
+    ("adagrad_maximize", torch.optim.Adagrad, {"lr": 0.2, "maximize": True}),
+    ("asgd", torch.optim.ASGD, {"lr": 0.05, "t0": 1}),
+    ("rprop", torch.optim.Rprop, {"lr": 0.01}),
+    ("adadelta", torch.optim.Adadelta, {"lr": 1.0, "weight_decay": 0.05}),
+    ("nadam_decoupled", torch.optim.NAdam, {"lr": 0.05, "weight_decay": 0.1, "decoupled_weight_decay": True,
+                                            "momentum_decay": 0.01}),
+    ("radam_decoupled", torch.optim.RAdam, {"lr": 0.05, "weight_decay": 0.1, "decoupled_weight_decay": True}),
+    # Not separable by rows or columns: dense semantics on whole tables, refused on split ones.
+    ("adafactor", torch.optim.Adafactor, {"lr": 0.05}),
+    ("muon", torch.optim.Muon, {"lr": 0.05}),
+    ("came", CAME, {"lr": 0.05}),
 ]
+NOT_SEPARABLE = {"adafactor", "muon", "came"}
+SPLITTING = ("column_wise", "table_column_wise", "row_wise", "table_row_wise")
 
 
-def test_every_optimizer_on_every_sharding_type_matches_torch_optim():
-    per_rank = run_ranks(matrix, CASES, timeout=600)
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(matrix, CASES, SHARDING_TYPES, ("table_wise", "data_parallel"), timeout=600)[0]
+
+
+def test_every_optimizer_on_every_sharding_type_matches_torch_optim(results):
     for sharding_type in SHARDING_TYPES:
-        moved = per_rank[0][sharding_type]
-        assert set(moved) >= {c[0] for c in CASES if c[1] is not RowWiseAdagrad}, sharding_type
+        moved = results["moved"][sharding_type]
+        expected = {c[0] for c in CASES}
+        if sharding_type in SPLITTING:
+            expected -= NOT_SEPARABLE
+        if sharding_type in ("column_wise", "table_column_wise"):
+            expected -= {"rowwise_adagrad", "rowwise_adagrad_wd"}
+        assert set(moved) - {"dense", "dense_diff"} == expected, sharding_type
         still = [n for n, distance in moved.items() if n not in ("dense", "dense_diff") and distance < 1e-3]
         assert not still, f"{sharding_type}: the reference did not move {still}"
+
+
+def test_not_separable_optimizers_are_exact_with_dense_semantics_on_partial_batches(results):
+    for sharding_type in ("table_wise", "data_parallel"):
+        moved = results["partial"][sharding_type]
+        still = [n for n in NOT_SEPARABLE if moved[n] < 1e-3]
+        assert not still, f"{sharding_type}: the reference did not move {still}"
+
+
+@pytest.mark.parametrize("sharding_type", SPLITTING)
+@pytest.mark.parametrize("name", sorted(NOT_SEPARABLE))
+def test_not_separable_optimizers_are_refused_on_split_tables(results, sharding_type, name):
+    axis = "rows" if "row" in sharding_type else "columns"
+    cls = {"adafactor": "Adafactor", "muon": "Muon", "came": "CAME"}[name]
+    assert re.match(
+        rf"table '{name}': {cls}'s update is not separable by {axis} .* and {sharding_type} sharding splits "
+        rf"this table into \w+ shards; use table_wise, data_parallel for this table",
+        results["refused"][f"{sharding_type}/{name}"],
+    ), results["refused"][f"{sharding_type}/{name}"]

@@ -1,0 +1,322 @@
+"""The optimizer model: what overlap-optim knows about one annotation's optimizer, derived once.
+
+Every decision about an annotated optimizer reads one :class:`OptimizerSpec`,
+made when the parameters are annotated, by running the optimizer itself on
+small stand-ins (probes), never by a list of known classes. So a third-party
+``torch.optim.Optimizer`` subclass is modelled the same way as torch's own:
+
+- ``defaults``: the constructor's settings, completed with the class defaults;
+- ``float_keys``: the settings that are numbers (lr, betas, eps, momentum, ...),
+  which a scheduler, a user or ``load_state_dict`` may change at run time;
+  every other setting (amsgrad, nesterov, maximize, foreach, ...) is fixed
+  once annotated, and :meth:`OptimizerSpec.check_live` refuses a change;
+- ``state``: the state a 2-D parameter gets, one :class:`StateEntry` per name,
+  with its layout: per ``element``, per ``row``, per ``column``, one
+  ``scalar`` per tensor, or another ``tensor`` shape;
+- ``row_separable`` / ``column_separable``: whether stepping a matrix in row
+  (column) pieces, each with its own optimizer, gives the whole-matrix result.
+  Measured: three steps on a random matrix, whole and in two pieces;
+- ``group_state``: anything ``step()`` writes into its param group (some
+  third-party optimizers count steps there);
+- ``share_key``: groups with equal keys differ only in floats and may share
+  one update.
+
+:class:`AnnotationGroup` is one ``apply_optimizer_in_backward`` call: its spec
+and its live param group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import itertools
+from typing import Any
+
+import torch
+
+__all__ = ["AnnotationGroup", "OptimizerSpec", "StateEntry", "describe_optimizer", "needs_closure"]
+
+# The 2-D probe: distinct sizes, so a state tensor's shape says what it follows; even, to split in two.
+_ROWS, _COLS = 6, 4
+_PROBE_STEPS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class StateEntry:
+    """One state entry of a 2-D parameter ``(rows, cols)``.
+
+    Attributes:
+        layout: "element" ``(rows, cols)``, "row" ``(rows, 1)`` or ``(rows,)``,
+            "column" ``(1, cols)`` or ``(cols,)``, "scalar" (a 0-d tensor or a
+            plain value) or "tensor" (any other shape).
+        tail: the shape after the row dimension, for "element" and "row"
+            entries; ``-1`` stands for ``cols``.
+        fresh: what one element holds after a step on a zero gradient at a
+            zero weight (the state of a row that was never touched).
+    """
+
+    layout: str
+    tail: tuple[int, ...] = ()
+    fresh: Any = None
+
+    @property
+    def row_sliceable(self) -> bool:
+        """A ``(rows, cols)`` or ``(rows, 1)`` tensor: slices by rows, saved as a sharded tensor."""
+        return self.layout == "element" or (self.layout == "row" and self.tail == (1,))
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    """What one optimizer class with one set of kwargs is; see the module doc. Build with :func:`describe_optimizer`."""
+
+    optimizer_class: type[torch.optim.Optimizer]
+    kwargs: dict[str, Any]
+    defaults: dict[str, Any]
+    float_keys: frozenset[str]
+    fixed: dict[str, Any]
+    state: dict[str, StateEntry] | None  # None: it cannot step a 2-D parameter
+    row_separable: bool
+    column_separable: bool
+    group_state: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return self.optimizer_class.__name__
+
+    @property
+    def share_key(self) -> tuple[Any, ...]:
+        """Equal for specs that differ only in float settings."""
+        return (self.optimizer_class, tuple(sorted((k, repr(v)) for k, v in self.fixed.items())))
+
+    def row_keys(self) -> set[str]:
+        """State names that slice by rows (per element, or ``(rows, 1)``)."""
+        return {name for name, entry in (self.state or {}).items() if entry.row_sliceable}
+
+    def changed_floats(self, param_group: dict[str, Any]) -> list[str]:
+        """``"key: old -> new"`` for each float setting that differs from the annotation."""
+        return [
+            f"{k}: {self.defaults[k]!r} -> {param_group[k]!r}"
+            for k in sorted(self.float_keys)
+            if k in param_group and not _same(param_group[k], self.defaults[k])
+        ]
+
+    def check_live(self, param_group: dict[str, Any], where: str) -> None:
+        """Raise ValueError, naming ``where`` and the key, if a fixed setting changed at run time."""
+        for key, value in self.fixed.items():
+            now = param_group.get(key, value)
+            if not _same(now, value):
+                raise ValueError(
+                    f"{where}: {self.name}'s setting {key}={now!r} was changed at run time (annotated with "
+                    f"{value!r}); only its float settings {sorted(self.float_keys)} may change once annotated. "
+                    f"Annotate with {key}={now!r} from the start (apply_optimizer_in_backward(..., replace=True))"
+                )
+
+    def state_shapes(self, shape: torch.Size | tuple[int, ...]) -> dict[str, Any]:
+        """``name -> shape tuple`` (tensors) or the plain value, for a parameter of ``shape``."""
+        sizes = tuple(range(2, 2 + len(shape)))  # distinct, so a state size names its dimension
+        stand_in = torch.ones(sizes, requires_grad=True)
+        stand_in.grad = torch.ones_like(stand_in)
+        optimizer = self.optimizer_class([stand_in], **self.kwargs)
+        optimizer.step()
+        dim_of = {size: i for i, size in enumerate(sizes)}
+        return {
+            name: tuple(shape[dim_of[s]] if s in dim_of else s for s in value.shape)
+            if isinstance(value, torch.Tensor)
+            else value
+            for name, value in optimizer.state[stand_in].items()
+        }
+
+
+class AnnotationGroup:
+    """The parameters of one ``apply_optimizer_in_backward`` call.
+
+    It holds the optimizer's :class:`OptimizerSpec` and the hyperparameters the
+    call asked for, completed with the optimizer's defaults, as one torch-style
+    ``param_group`` dict. That dict is what ``get_optimizers(model).param_groups``
+    exposes: an LR scheduler that writes ``group["lr"]`` changes the update at
+    the next backward.
+
+    Attributes:
+        spec: the optimizer model.
+        param_group: hyperparameters plus ``"params"``, the annotated tensors.
+        order: when the group was made, counted per process: groups made by
+            the same annotation code have the same order on every rank, and
+            ``get_optimizers`` lists param groups in that order.
+    """
+
+    __slots__ = ("spec", "param_group", "order")
+    _made = itertools.count()
+
+    def __init__(self, spec: OptimizerSpec) -> None:
+        self.spec = spec
+        self.param_group: dict[str, Any] = {**spec.defaults, "params": []}
+        self.order = next(AnnotationGroup._made)
+
+    @property
+    def optimizer_class(self) -> type[torch.optim.Optimizer]:
+        return self.spec.optimizer_class
+
+    @property
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        """The kwargs exactly as the user passed them."""
+        return self.spec.kwargs
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """The current hyperparameters, without ``"params"``."""
+        return {k: v for k, v in self.param_group.items() if k != "params"}
+
+    def __repr__(self) -> str:
+        return f"AnnotationGroup({self.optimizer_class.__name__}, {self.optimizer_kwargs})"
+
+
+def needs_closure(optimizer_class: type[torch.optim.Optimizer]) -> bool:
+    """True if ``optimizer_class.step`` cannot run without a closure (LBFGS)."""
+    closure = inspect.signature(optimizer_class.step).parameters.get("closure")
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def describe_optimizer(
+    optimizer_class: type[torch.optim.Optimizer],
+    kwargs: dict[str, Any],
+    dtypes: dict[int, torch.dtype] | None = None,
+) -> OptimizerSpec:
+    """Probe ``optimizer_class(**kwargs)`` once and describe it.
+
+    It builds and steps the optimizer on a stand-in of each rank in ``dtypes``
+    (``ndim -> dtype`` of the parameters to annotate; default: one 2-D fp32
+    table), so that a bad value, or a step that cannot run alone, fails here
+    and not in the middle of backward.
+
+    Raises:
+        TypeError: the constructor fails on the kwargs.
+        ValueError: the optimizer rejects a value, or cannot step a stand-in.
+        NotImplementedError: ``step()`` writes state into its param group.
+    """
+    kwargs = dict(kwargs)
+    defaults, group_state = {}, ()
+    for ndim, dtype in (dtypes or {2: torch.float32}).items():
+        defaults, group_state = _dry_run(optimizer_class, kwargs, ndim, dtype)
+    if group_state:
+        raise NotImplementedError(
+            f"{optimizer_class.__name__} keeps {list(group_state)} in its param group, outside the "
+            "per-parameter state: overlap_optim cannot yet keep that per parameter or checkpoint it, so "
+            "it would silently restart or lag. Use an optimizer that keeps its state in optimizer.state"
+        )
+    floats = frozenset(k for k, v in defaults.items() if _is_float_setting(v))
+    state = _probe_state(optimizer_class, kwargs)
+    separable = [state is not None and _separable(optimizer_class, kwargs, axis) for axis in (0, 1)]
+    layouts = {e.layout for e in (state or {}).values()}
+    return OptimizerSpec(
+        optimizer_class=optimizer_class,
+        kwargs=kwargs,
+        defaults=dict(defaults),
+        float_keys=floats,
+        fixed={k: v for k, v in defaults.items() if k not in floats},
+        state=state,
+        row_separable=separable[0] and all(e.row_sliceable or e.layout == "scalar" for e in (state or {}).values()),
+        column_separable=separable[1] and layouts <= {"element", "scalar"},
+        group_state=group_state,
+    )
+
+
+def _dry_run(
+    cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], ndim: int, dtype: torch.dtype
+) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """(completed defaults, names ``step()`` wrote into the param group), from one step on a stand-in."""
+    stand_in = torch.ones((2,) * ndim, dtype=dtype, requires_grad=True)
+    stand_in.grad = torch.ones_like(stand_in)
+    try:
+        optimizer = cls([stand_in], **kwargs)
+    except ValueError as err:
+        raise ValueError(f"{cls.__name__}({kwargs}) rejected a value: {err}") from None
+    except TypeError as err:
+        raise TypeError(f"{cls.__name__}({kwargs}) failed: {err}") from None
+    before = dict(optimizer.param_groups[0])
+    try:
+        optimizer.step()
+    except Exception as err:  # any failure means it cannot run in backward
+        raise ValueError(
+            f"{cls.__name__}({kwargs}) cannot step a {ndim}-d {dtype} "
+            f"parameter on its own in backward: {type(err).__name__}: {err}"
+        ) from None
+    after = optimizer.param_groups[0]
+    written = tuple(k for k in after if k != "params" and (k not in before or after[k] is not before[k]))
+    return dict(optimizer.defaults), written
+
+
+def _probe_state(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> dict[str, StateEntry] | None:
+    """The state layout of a ``(_ROWS, _COLS)`` parameter, from a step on a zero gradient at zero."""
+    stand_in = torch.zeros(_ROWS, _COLS, requires_grad=True)
+    stand_in.grad = torch.zeros_like(stand_in)
+    try:
+        optimizer = cls([stand_in], **kwargs)
+        optimizer.step()
+    except Exception:  # it cannot step a matrix: no table may use it
+        return None
+    return {name: _entry(value) for name, value in optimizer.state[stand_in].items()}
+
+
+def _entry(value: Any) -> StateEntry:
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return StateEntry("scalar", fresh=value)
+    shape, fresh = tuple(value.shape), value.flatten()[0].item()
+    if shape == (_ROWS, _COLS):
+        return StateEntry("element", (-1,), fresh)
+    if shape in ((_ROWS, 1), (_ROWS,)):
+        return StateEntry("row", shape[1:], fresh)
+    if shape in ((1, _COLS), (_COLS,)):
+        return StateEntry("column", shape[:-1])
+    return StateEntry("tensor", shape)
+
+
+def _separable(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], axis: int) -> bool:
+    """Whether stepping two halves (split along ``axis``), each with its own optimizer, gives
+    the whole matrix's result: weights within 1e-7 of the update, and equal per-tensor scalars."""
+    if "lr" in kwargs:  # separability must not hinge on a small (or zero) starting lr
+        kwargs = {**kwargs, "lr": 1e-2}
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(_ROWS, _COLS, generator=generator, dtype=torch.float64)
+    grads = [torch.randn(_ROWS, _COLS, generator=generator, dtype=torch.float64) for _ in range(_PROBE_STEPS)]
+    try:
+        whole, whole_scalars = _run(cls, kwargs, start, grads)
+        halves = [
+            _run(cls, kwargs, start.chunk(2, axis)[i], [g.chunk(2, axis)[i] for g in grads]) for i in range(2)
+        ]
+    except Exception:  # it cannot step the pieces (or float64): treat as not separable
+        return False
+    moved = (whole - start).abs().max().item()
+    joined = torch.cat([h[0] for h in halves], axis)
+    if moved == 0 or (joined - whole).abs().max().item() > 1e-7 * moved:
+        return False
+    return all(_same(h[1], whole_scalars) for h in halves)
+
+
+def _run(cls, kwargs, start, grads) -> tuple[torch.Tensor, dict[str, Any]]:
+    param = start.clone().requires_grad_(True)
+    optimizer = cls([param], **kwargs)
+    for grad in grads:
+        param.grad = grad.clone()
+        optimizer.step()
+    scalars = {k: v for k, v in optimizer.state[param].items() if not isinstance(v, torch.Tensor) or v.dim() == 0}
+    return param.detach(), scalars
+
+
+def _is_float_setting(value: Any) -> bool:
+    """Numbers (not bools), tensors, and tuples of numbers (betas, etas, Adafactor's eps)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float, torch.Tensor)):
+        return True
+    if isinstance(value, (tuple, list)) and value:
+        return all(x is None or (isinstance(x, (int, float)) and not isinstance(x, bool)) for x in value)
+    return False
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return torch.equal(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
