@@ -87,19 +87,29 @@ def warmup_then_decay(step: int) -> float:
 
 
 def train_and_compare(
-    rank, world_size, names, settings, sharding_type, steps=3, cover=True, dense=None, comm=None, schedule=None
+    rank, world_size, names, settings, sharding_type, steps=3, cover=True, dense=None, comm=None, schedule=None,
+    change=None, pinned=(),
 ):
     """Train sharded and reference side by side; compare after every step. Returns how far
-    the reference moved, per table (and ``"dense"``: the MLP)."""
-    dmp, reference, ref_opts = build(names, settings, sharding_type, world_size, dense=dense, comm=comm)
+    the reference moved, per table (and ``"dense"``: the MLP).
+
+    ``schedule``: a LambdaLR function, or a factory ``optimizer -> scheduler``, applied through
+    ``get_optimizers`` and to each reference optimizer. ``change(step, groups)``: called after
+    each step with our param groups and then the reference's, in the same order (tables, then
+    the MLP), to change settings by hand. ``pinned``: tables pinned to the fallback.
+    """
+    dmp, reference, ref_opts = build(names, settings, sharding_type, world_size, dense=dense, comm=comm,
+                                     pinned_dense=pinned)
     atol, dense_diff = (1e-3 if comm else 1e-5), 0.0  # compression costs precision everywhere
     start = {n: reference.ebc.embedding_bags[n].weight.detach().clone() for n in names}
     dense_start = [p.detach().clone() for p in reference.dense.parameters()]
     schedulers, keyed = [], None
-    if schedule is not None:  # one schedule through get_optimizers; the same on each reference optimizer
+    if schedule is not None or change is not None:
         keyed = overlap_optim.get_optimizers(dmp)
-        schedulers = [torch.optim.lr_scheduler.LambdaLR(keyed, schedule)]
-        schedulers += [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in ref_opts]
+    if schedule is not None:  # one schedule through get_optimizers; the same on each reference optimizer
+        factory = schedule if isinstance(schedule, type) or getattr(schedule, "is_factory", False) else (
+            lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+        schedulers = [factory(keyed)] + [factory(o) for o in ref_opts]
     users = []
     if dense is not None:
         ours = [p for n, p in dmp.named_parameters() if n.startswith("dense.2.")]
@@ -116,6 +126,9 @@ def train_and_compare(
             opt.step()
         for scheduler in schedulers:
             scheduler.step()
+        if change is not None:
+            change(step, keyed.param_groups)
+            change(step, [o.param_groups[0] for o in ref_opts])
         reference.zero_grad()
         if users:
             users[0].zero_grad()
@@ -283,3 +296,90 @@ def behaviour(rank, world_size):
         "grouping": grouping_and_describe(rank, world_size),
         "lazy": {st: lazy_rows(rank, world_size, st) for st in ("table_wise", "row_wise")},
     }
+
+
+def scheduler_factory(fn):
+    """Mark ``fn(optimizer) -> scheduler`` as a factory for ``train_and_compare(schedule=...)``."""
+    fn.is_factory = True
+    return fn
+
+
+def _after_first_step(step, groups):
+    """Halve every lr, set every eps to 1e-2, and switch on weight decay where the optimizer
+    takes it exactly in every kernel (groups: Adagrad fused, Adagrad pinned to the fallback,
+    RowWiseAdagrad, SGD, Adam, then the MLP's Adam)."""
+    if step != 0:
+        return
+    for group in groups:
+        group["lr"] *= 0.5
+        if "eps" in group:
+            group["eps"] = 1e-2
+    for index in (1, 4, 5):
+        groups[index]["weight_decay"] = 0.05
+
+
+def _one_cycle(opt):
+    return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=8, cycle_momentum=True)
+
+
+def _first_error(fn) -> str:
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def _train_steps(dmp, names, world_size, rank, steps, before_step=None):
+    for step in range(steps):
+        if before_step is not None:
+            before_step(step)
+        generator = torch.Generator().manual_seed(100 + step)
+        parts = [covering_batch(names, generator) for _ in range(world_size)]
+        loss_of(dmp, parts[rank]).backward()
+
+
+def live_settings(rank, world_size):
+    """Settings changed at run time: exact where a kernel can apply them, a clear error elsewhere."""
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    names = ["adagrad", "adagrad_pinned", "rowwise", "sgd", "adam"]
+    settings = [(torch.optim.Adagrad, {"lr": 0.2, "eps": 1e-8}), (torch.optim.Adagrad, {"lr": 0.2}),
+                (RowWiseAdagrad, {"lr": 0.2}), (torch.optim.SGD, {"lr": 0.1}), (torch.optim.Adam, {"lr": 0.05})]
+    dense = (torch.optim.Adam, {"lr": 0.02})
+    out = {"exact": {}, "one_cycle": {}, "errors": {}}
+    for st in ("table_wise", "row_wise", "data_parallel"):
+        out["exact"][st] = train_and_compare(rank, world_size, names, settings, st, steps=3, dense=dense,
+                                             change=_after_first_step, pinned=("adagrad_pinned",))
+    cycled = [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), (torch.optim.Adam, {"lr": 0.05})]
+    for (cls, kwargs), name in zip(cycled, ("sgd_momentum", "adam")):
+        out["one_cycle"][name] = train_and_compare(rank, world_size, [name], [(cls, kwargs)], "row_wise", steps=4,
+                                                   schedule=scheduler_factory(_one_cycle))
+    out["errors"] = _live_setting_errors(rank, world_size)
+    return out
+
+
+def _live_setting_errors(rank, world_size):
+    """Each on row_wise or data_parallel, where every rank holds the table and raises alike."""
+    errors = {}
+
+    def run(names, settings, sharding_type, before_step, pinned=(), dense=None):
+        dmp, _, _ = build(names, settings, sharding_type, world_size, pinned_dense=pinned, dense=dense)
+        keyed = overlap_optim.get_optimizers(dmp)
+        return _first_error(lambda: _train_steps(dmp, names, world_size, rank, 2,
+                                                 lambda step: step == 1 and before_step(keyed)))
+
+    def set_key(index, key, value):
+        return lambda keyed: keyed.param_groups[index].__setitem__(key, value)
+
+    adagrad = [(torch.optim.Adagrad, {"lr": 0.2})]
+    errors["fused_adagrad_weight_decay"] = run(["t_ada"], adagrad, "row_wise", set_key(0, "weight_decay", 0.01))
+    errors["fused_sgd_one_cycle"] = run(["t_sgd"], [(torch.optim.SGD, {"lr": 0.1})], "row_wise", _one_cycle)
+    errors["fallback_sgd_momentum"] = run(["t_sgd"], [(torch.optim.SGD, {"lr": 0.1})], "row_wise",
+                                          set_key(0, "momentum", 0.9), pinned=("t_sgd",))
+    adam = [(torch.optim.Adam, {"lr": 0.05})]
+    errors["fallback_adam_amsgrad"] = run(["t_adam"], adam, "row_wise", set_key(0, "amsgrad", True))
+    errors["data_parallel_adam_amsgrad"] = run(["t_adam"], adam, "data_parallel", set_key(0, "amsgrad", True))
+    errors["dense_adam_amsgrad"] = run(["t_sgd"], [(torch.optim.SGD, {"lr": 0.1})], "row_wise",
+                                       set_key(1, "amsgrad", True), dense=(torch.optim.Adam, {"lr": 0.02}))
+    return errors

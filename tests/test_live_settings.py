@@ -1,0 +1,89 @@
+"""Settings changed at run time (by hand, a scheduler or load_state_dict) reach every kernel
+before the next backward, exactly as torch.optim applies them, or are refused by name.
+
+Reference: plain torch.optim on the unsharded model, with the same change made there.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from overlap_optim import apply_optimizer_in_backward, get_optimizers
+from overlap_optim.testing import run_ranks
+from _sharded_parity import live_settings
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(live_settings, timeout=600)[0]
+
+
+@pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise", "data_parallel"])
+def test_lr_eps_and_weight_decay_changed_after_step_one_match_torch_optim(results, sharding_type):
+    moved = results["exact"][sharding_type]  # compared with torch.optim after every step, inside the ranks
+    still = [n for n, d in moved.items() if n != "dense_diff" and d < 1e-3]
+    assert not still, f"the reference did not move {still}"
+
+
+def test_one_cycle_lr_cycling_momentum_and_betas_matches_torch_optim(results):
+    assert set(results["one_cycle"]) == {"sgd_momentum", "adam"}
+    for name, moved in results["one_cycle"].items():
+        assert moved[name] > 1e-3, name
+
+
+@pytest.mark.parametrize("case, pattern", [
+    ("fused_adagrad_weight_decay",
+     r"ValueError: fused table\(s\) \['t_ada'\]: weight_decay=0.01: FBGEMM's EXACT_ADAGRAD has no .* changed at run "
+     r"time \(\[.weight_decay: 0 -> 0.01.\]\).*fallback_tables=\[\.\.\.\]"),
+    ("fused_sgd_one_cycle",
+     r"ValueError: fused table\(s\) \['t_sgd'\]: momentum=0.9\d*: FBGEMM's EXACT_SGD has no momentum.*"
+     r"Annotate the table with that setting from the start"),
+    ("fallback_sgd_momentum",
+     r"ValueError: table 't_sgd': SGD now keeps state \['momentum_buffer'\] .*\['momentum: 0 -> 0.9'\]"),
+    ("fallback_adam_amsgrad",
+     r"ValueError: table 't_adam': Adam's setting amsgrad=True was changed at run time \(annotated with False\)"),
+    ("data_parallel_adam_amsgrad",
+     r"Adam's setting amsgrad=True was changed at run time \(annotated with False\); only its float settings"),
+    ("dense_adam_amsgrad",
+     r"ValueError: a parameter of shape \(\d+(, \d+)?,?\) in param group \d+ \(Adam\): Adam's setting amsgrad=True "
+     r"was changed at run time"),
+])
+def test_changes_a_kernel_cannot_apply_are_refused_by_table_and_setting(results, case, pattern):
+    assert re.search(pattern, results["errors"][case]), results["errors"][case]
+
+
+def _dense_pair():
+    torch.manual_seed(0)
+    ours = torch.nn.Linear(4, 3)
+    ref = torch.nn.Linear(4, 3)
+    ref.load_state_dict(ours.state_dict())
+    apply_optimizer_in_backward(torch.optim.Adam, ours.parameters(), {"lr": 0.05})
+    return ours, ref, torch.optim.Adam(ref.parameters(), lr=0.05)
+
+
+def test_dense_parameter_sees_eps_weight_decay_and_lr_changes_like_torch_optim():
+    ours, ref, ref_opt = _dense_pair()
+    opt = get_optimizers(ours)
+    start = ref.weight.detach().clone()
+    for step in range(4):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+        ours(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if step == 0:
+            for group in (opt.param_groups[0], ref_opt.param_groups[0]):
+                group.update(lr=0.02, eps=0.5, weight_decay=0.1, betas=(0.5, 0.9))
+        torch.testing.assert_close(ours.weight.detach(), ref.weight.detach(), rtol=0, atol=1e-6)
+    assert (ref.weight.detach() - start).abs().max() > 1e-2
+
+
+def test_dense_parameter_refuses_a_non_float_setting_changed_at_run_time():
+    ours, _, _ = _dense_pair()
+    get_optimizers(ours).param_groups[0]["amsgrad"] = True
+    with pytest.raises(ValueError, match=r"a parameter of shape \(\d+(, \d+)?,?\) in param group \d+ \(Adam\): Adam's setting "
+                                         r"amsgrad=True was changed at run time \(annotated with False\)"):
+        ours(torch.randn(2, 4)).sum().backward()
