@@ -3,7 +3,9 @@
 A checkpoint directory holds one sub-directory per save, ``step-00000012``. Each
 is written under a temporary name and renamed only once complete (with a
 ``COMPLETE`` marker inside), so a save killed at any point leaves the previous
-checkpoints as they were; :func:`load` takes the latest complete one.
+checkpoints as they were; :func:`load` takes the latest complete one. Saving
+over an existing step is atomic too: after a kill at any point, the old or the
+new copy of that step is complete and loadable.
 
 Loading validates everything before it changes anything: every key and shape is
 checked against the checkpoint's metadata, the data is read into scratch copies,
@@ -44,6 +46,7 @@ __all__ = ["save", "load", "latest", "CheckpointError"]
 # DCP reports read failures as CheckpointException, a BaseException.
 _READ_ERRORS = (Exception, CheckpointException)
 _NAME = re.compile(r"^step-(\d{8,})$")
+_INTERRUPTED = re.compile(r"^\.tmp-step-(\d{8,})-[0-9a-f]+$")
 _MARKER = "COMPLETE"
 
 
@@ -89,11 +92,25 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra:
     _barrier()
     if _is_writer():
         (tmp / _MARKER).write_text(json.dumps({"step": step}))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        _swap_in(tmp, final)
     _barrier()
     return final
+
+
+def _swap_in(tmp: Path, final: Path) -> None:
+    """Make the complete ``tmp`` the checkpoint ``final``, replacing an older one of the same step.
+
+    Each step is one rename, so a kill at any point leaves a complete copy that
+    :func:`latest` finds: the old ``final``; or, while ``final`` is briefly
+    absent, the complete ``tmp`` (the new one); or the new ``final``. A set-aside
+    old copy is removed last and never read.
+    """
+    old = final.with_name(f".old-{final.name}-{tmp.name.rsplit('-', 1)[-1]}")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old.exists():
+        shutil.rmtree(old)
 
 
 def latest(path: str | os.PathLike) -> Path | None:
@@ -101,8 +118,12 @@ def latest(path: str | os.PathLike) -> Path | None:
     root = Path(path)
     if not root.is_dir():
         return None
-    complete = [d for d in root.iterdir() if _NAME.match(d.name) and (d / _MARKER).is_file()]
-    return max(complete, key=_step_of, default=None)
+    complete = {_step_of(d): d for d in root.iterdir() if _NAME.match(d.name) and (d / _MARKER).is_file()}
+    for d in root.iterdir():  # a save killed between its two renames: its complete new copy
+        interrupted = _INTERRUPTED.match(d.name)
+        if interrupted and (d / _MARKER).is_file():
+            complete.setdefault(int(interrupted.group(1)), d)
+    return complete[max(complete)] if complete else None
 
 
 def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -121,11 +142,31 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra:
             is changed.
     """
     directory = _resolve(Path(path))
-    init_state = getattr(optimizer, "init_state", None)
-    if callable(init_state):
-        init_state()
-    wanted = {"model": _model_state(model), "optim": optimizer.state_dict()}
     saved_extra = _read_extras(directory)
+    init_state = getattr(optimizer, "init_state", None)
+    if callable(init_state):  # DCP loads in place: lazy state must exist first
+        init_state()
+    try:
+        scratch = _read_validated(directory, model, optimizer)
+        optimizer.load_state_dict(scratch["optim"])  # validates before changing anything
+    except BaseException:
+        # A refused load leaves no placeholder state behind: nothing changed.
+        drop = getattr(optimizer, "drop_placeholder_state", None)
+        if callable(drop):
+            drop()
+        raise
+    prefixes = ddp_prefixes(model)
+    own = {unwrapped_name(k, prefixes): k for k in model.state_dict()}
+    model.load_state_dict({own[k]: v for k, v in scratch["model"].items()})
+    for name, obj in (extra or {}).items():
+        if hasattr(obj, "load_state_dict") and name in saved_extra:
+            obj.load_state_dict(saved_extra[name])
+    return saved_extra
+
+
+def _read_validated(directory: Path, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+    """The checkpoint's model and optimizer state, checked against ours and read into scratch copies."""
+    wanted = {"model": _model_state(model), "optim": optimizer.state_dict()}
     _check_against_metadata(directory, wanted)
     scratch = _scratch_copy(wanted)
     # Flattening would drop sharded tensors with no piece on this rank, and DCP
@@ -135,14 +176,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra:
         dcp.load(scratch, checkpoint_id=str(directory), planner=planner)
     except _READ_ERRORS as err:  # a damaged file surfaces in many forms
         raise CheckpointError(f"cannot read checkpoint {directory}: {type(err).__name__}: {err}") from None
-    optimizer.load_state_dict(scratch["optim"])  # validates before changing anything
-    prefixes = ddp_prefixes(model)
-    own = {unwrapped_name(k, prefixes): k for k in model.state_dict()}
-    model.load_state_dict({own[k]: v for k, v in scratch["model"].items()})
-    for name, obj in (extra or {}).items():
-        if hasattr(obj, "load_state_dict") and name in saved_extra:
-            obj.load_state_dict(saved_extra[name])
-    return saved_extra
+    return scratch
 
 
 def _model_state(model: torch.nn.Module) -> dict[str, Any]:
@@ -250,7 +284,7 @@ def _resolve(path: Path) -> Path:
 
 
 def _step_of(directory: Path) -> int:
-    return int(_NAME.match(directory.name).group(1))
+    return int((_NAME.match(directory.name) or _INTERRUPTED.match(directory.name)).group(1))
 
 
 def _is_writer() -> bool:

@@ -20,7 +20,13 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
 from overlap_optim import _state_schema
 from overlap_optim.annotation import AnnotationGroup
-from overlap_optim.update import init_placeholder_state, live_optimizer, load_param_state
+from overlap_optim.update import (
+    drop_placeholder_state,
+    has_real_state,
+    init_placeholder_state,
+    live_optimizer,
+    load_param_state,
+)
 
 __all__ = ["get_optimizers", "unoptimized_parameters", "InBackwardOptimizer", "unwrapped_parameters", "unwrapped_name", "ddp_prefixes", "unwrapped_path"]
 
@@ -123,11 +129,19 @@ class InBackwardOptimizer(KeyedOptimizer):
 
         Raises:
             ValueError: keys are missing or unexpected (both lists are given),
+                a parameter that has state here has none in ``state_dict``,
                 a parameter's optimizer or state names differ, or a state
                 tensor's shape does not fit its parameter.
         """
         new_state, new_groups = _state_schema.split(state_dict)
         _state_schema.check_keys(self.params, new_state, new_groups)
+        dropped = sorted(k for k in self._keys_with_state() if not new_state.get(k))
+        if dropped:
+            raise ValueError(
+                f"the state dict has no optimizer state for {dropped}, which have state here: loading it "
+                "would drop that state (Adam's moments, Adagrad's sums...). Load a state dict saved from "
+                "the whole optimizer after the same steps"
+            )
         group_of = self._match_groups(new_groups)
         loaded = {
             key: _state_schema.check_param_state(key, param, new_state.get(key, {}))
@@ -142,6 +156,20 @@ class InBackwardOptimizer(KeyedOptimizer):
                 tables.load(table_key, new_state[key])
         for key, param in self._in_backward.items():
             load_param_state(param, loaded[key])
+
+    def drop_placeholder_state(self) -> None:
+        """Undo :meth:`init_state` where nothing was loaded over its placeholders."""
+        for _, tables in self._sources:
+            tables.drop_placeholder_state()
+        for param in self._in_backward.values():
+            drop_placeholder_state(param)
+
+    def _keys_with_state(self) -> list[str]:
+        """Keys whose state is real (not an init_state placeholder); a collective with sharded tables."""
+        keys = [k for k, p in self._in_backward.items() if has_real_state(p)]
+        for path, tables in self._sources:
+            keys += [_join(path, k) for k in tables.keys_with_state()]
+        return keys
 
     def init_state(self, sparse_grad_parameter_names: set[str] | None = None) -> None:
         """Create every lazy state tensor, so a checkpoint can be loaded in place.

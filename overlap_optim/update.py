@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "step_param", "step_params", "fused_key", "live_optimizer", "init_placeholder_state", "load_param_state",
+    "has_real_state", "drop_placeholder_state",
     "RowOptimizer", "DenseTableOptimizer", "TableOptimizer", "table_optimizer",
 ]
 
@@ -225,6 +226,23 @@ def init_placeholder_state(param: torch.Tensor) -> None:
     param._overlap_placeholder_state = True
 
 
+def has_real_state(param: torch.Tensor) -> bool:
+    """Whether ``param`` has optimizer state that is not an :func:`init_placeholder_state` placeholder."""
+    optimizer = live_optimizer(param)
+    return bool(optimizer is not None and optimizer.state.get(param)) and not param.__dict__.get(
+        "_overlap_placeholder_state", False
+    )
+
+
+def drop_placeholder_state(param: torch.Tensor) -> None:
+    """Undo :func:`init_placeholder_state` if nothing was loaded over it."""
+    optimizer = live_optimizer(param)
+    if optimizer is not None:
+        _real_state(param, optimizer)
+        if not optimizer.state.get(param):
+            optimizer.state.pop(param, None)
+
+
 def load_param_state(param: torch.Tensor, state: dict[str, Any]) -> None:
     """Replace ``param``'s optimizer state with ``state`` (empty: no state, as before a first step)."""
     optimizer = live_optimizer(param)
@@ -341,6 +359,11 @@ class RowOptimizer:
         self.step(empty, self.weight.new_zeros(0, self.weight.shape[1]))
         self.placeholder_state = True
 
+    def drop_placeholder_state(self) -> None:
+        """Undo :meth:`init_state` if nothing was loaded over it."""
+        if self.placeholder_state:
+            self.row_state, self.table_state, self.placeholder_state = {}, {}, False
+
     def load_state(self, state: dict[str, Any]) -> None:
         """Replace the state with copies of ``state`` (names and shapes as :attr:`state`)."""
         self.row_state = {k: v.detach().clone() for k, v in state.items() if k in self._row_keys}
@@ -422,6 +445,12 @@ class DenseTableOptimizer:
         self.step(torch.empty(0, dtype=torch.long, device=self.weight.device), self.weight.new_zeros(0, self.weight.shape[1]))
         self.weight.copy_(kept)
         self.placeholder_state = True
+
+    def drop_placeholder_state(self) -> None:
+        """Undo :meth:`init_state` if nothing was loaded over it."""
+        if self.placeholder_state:
+            self._optimizer.state.clear()
+            self.placeholder_state = False
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Replace the state with copies of ``state``."""

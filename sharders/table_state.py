@@ -62,6 +62,12 @@ class _Piece:
     def has_state(self) -> bool:
         return self.rows is None or bool(self.rows.state)
 
+    def has_real_state(self) -> bool:
+        """State that is not an init_state placeholder; a fused table's once it has stepped."""
+        if self.rows is None:
+            return self.kernel.overlap_steps > 0
+        return bool(self.rows.state) and not self.rows.placeholder_state
+
 
 @dataclasses.dataclass
 class _Table:
@@ -141,6 +147,23 @@ class ShardedTables:
             for piece in table.pieces:
                 if piece.rows is not None:
                     piece.rows.init_state()
+
+    def drop_placeholder_state(self) -> None:
+        """Undo :meth:`init_state` where nothing was loaded over it."""
+        for table in self.tables.values():
+            for piece in table.pieces:
+                if piece.rows is not None:
+                    piece.rows.drop_placeholder_state()
+
+    def keys_with_state(self) -> list[str]:
+        """Keys of the tables with real state on some rank (a collective, like :meth:`state_dict`)."""
+        local = [t.name for t in self.tables.values() if any(p.has_real_state() for p in t.pieces)]
+        if dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
+            gathered: list[Any] = [None] * dist.get_world_size(self.process_group)
+            dist.all_gather_object(gathered, local, group=self.process_group)
+            local = [name for part in gathered for name in part]
+        held = set(local)
+        return [key for key, name in zip(self.keys(), self.tables) if name in held]
 
     def check(self, key: str, saved: dict[str, Any]) -> None:
         """Raise ValueError, naming ``key``, if ``saved`` cannot be loaded into this table."""

@@ -155,3 +155,75 @@ class _WiderModel(TinyModel):
 class _TallerModel(TinyModel):
     def __init__(self) -> None:
         super().__init__(rows=13)
+
+
+def _fresh_annotated_with_state():
+    model = _annotated()
+    opt = get_optimizers(model)
+    loss_of(model, make_batch(torch.Generator().manual_seed(0))).backward()
+    return model, opt
+
+
+def test_load_state_dict_refuses_state_missing_for_a_parameter_that_has_state():
+    model, opt = _fresh_annotated_with_state()
+    saved = opt.state_dict()
+    dropped = {"state": {k: v for k, v in saved["state"].items() if k != "ebc.embedding_bags.t1.weight"},
+               "param_groups": saved["param_groups"]}
+    before = _snapshot(model, opt)
+    with pytest.raises(ValueError, match=r"no optimizer state for \['ebc.embedding_bags.t1.weight'\], which have "
+                                         r"state here: loading it would drop that state"):
+        opt.load_state_dict(dropped)
+    after = _snapshot(model, opt)
+    assert all(torch.equal(v, after[1][k][n]) for k, s in before[1].items() for n, v in s.items())
+
+
+def test_state_missing_on_both_sides_loads():
+    model = _annotated()
+    opt = get_optimizers(model)
+    opt.load_state_dict(opt.state_dict())  # nothing stepped: no state on either side
+    assert opt.state_dict()["state"] == {}
+
+
+def test_a_refused_checkpoint_load_leaves_no_placeholder_state(tmp_path):
+    model, opt = _fresh_annotated_with_state()
+    checkpoint.save(tmp_path, model, opt)
+    target = _annotated(table_optimizer=torch.optim.SGD)  # another optimizer: refused
+    target_opt = get_optimizers(target)
+    with pytest.raises(CheckpointError, match="unexpected keys"):
+        checkpoint.load(tmp_path, target, target_opt)
+    assert target_opt.state_dict()["state"] == {}  # init_state's placeholders are gone too
+
+
+@pytest.mark.parametrize("killed_after", [0, 1, 2, 3, 4])
+def test_overwriting_a_checkpoint_is_atomic_whenever_the_save_dies(tmp_path, monkeypatch, killed_after):
+    """The save dies after ``killed_after`` of its file-system steps (marker, set old aside, rename
+    new in, remove old); the old or the new copy of the step is complete and loads."""
+    model, opt = _fresh_annotated_with_state()
+    checkpoint.save(tmp_path, model, opt, {"step": 5, "tag": "old"})
+    loss_of(model, make_batch(torch.Generator().manual_seed(1))).backward()
+    calls = []
+
+    def dying(real):
+        def step(*args, **kwargs):
+            if len(calls) == killed_after:
+                raise KeyboardInterrupt("killed")
+            calls.append(real.__name__)
+            return real(*args, **kwargs)
+        return step
+
+    monkeypatch.setattr(Path, "write_text", dying(Path.write_text))
+    monkeypatch.setattr(os, "replace", dying(os.replace))
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", dying(checkpoint.shutil.rmtree))
+    try:
+        checkpoint.save(tmp_path, model, opt, {"step": 5, "tag": "new"})
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.undo()
+    found = checkpoint.latest(tmp_path)
+    assert found is not None
+    fresh = _annotated()
+    extras = checkpoint.load(tmp_path, fresh, get_optimizers(fresh))
+    assert calls == ["write_text", "replace", "replace", "rmtree"][:killed_after]  # the save's own steps
+    assert extras["tag"] == ("old" if killed_after < 2 else "new"), (killed_after, found.name)
+    assert sorted(d.name for d in tmp_path.iterdir() if d.name.startswith("step-")) == (
+        ["step-00000005"] if killed_after != 2 else [])
