@@ -48,7 +48,7 @@ from overlap_optim.comm_hooks import OptimizerHookState
 from overlap_optim.ddp import install_optimizer_hook
 from sharders.fallback import FallbackEmbeddingBag
 from sharders.fbgemm import install_fused_kernel_hooks
-from sharders.optimizer_table import KernelChoice, choose_kernel
+from sharders.optimizer_table import COLUMN_SPLITTING, ROW_SPLITTING, KernelChoice, choose_kernel, semantics_of
 from sharders.table_state import ShardedTables
 
 __all__ = ["EmbeddingBagCollectionSharder", "TableDecision"]
@@ -57,8 +57,6 @@ __all__ = ["EmbeddingBagCollectionSharder", "TableDecision"]
 # included, and drops that entry before building a kernel: it keeps each
 # annotation group (a param group, with its own LR schedule) in its own kernels.
 _GROUP_KEY = "_batch_key"
-_ROW_SPLITTING = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
-_COLUMN_SPLITTING = (ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +72,7 @@ class TableDecision:
     def semantics(self) -> str:
         """"lazy": only the rows a batch touched change; "dense": every row steps, on a zero
         gradient where untouched (the whole-table optimizer); "user": not ours to step."""
-        if self.group is None:
-            return "user"
-        if self.kernel == "fallback" and not self.group.spec.row_separable:
-            return "dense"
-        return "dense" if self.kernel == "data_parallel_hook" else "lazy"
+        return "user" if self.group is None else semantics_of(self.group.spec, self.kernel)
 
     @property
     def kernel(self) -> str:
@@ -115,7 +109,7 @@ class EmbeddingBagCollectionSharder(_TorchRecSharder):
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         types = list(super().sharding_types(compute_device_type))
-        return types + [t for t in _ROW_SPLITTING if t not in types]
+        return types + [t for t in ROW_SPLITTING if t not in types]
 
     def shard(
         self,
@@ -212,8 +206,8 @@ def _check_separable(table: str, group: AnnotationGroup, sharding: ParameterShar
         if separable or len({s.shard_offsets[axis] for s in shards}) <= 1:
             continue
         works = ["table_wise", "data_parallel"]
-        works += list(_ROW_SPLITTING) if spec.row_separable else []
-        works += list(_COLUMN_SPLITTING) if spec.column_separable else []
+        works += list(ROW_SPLITTING) if spec.row_separable else []
+        works += list(COLUMN_SPLITTING) if spec.column_separable else []
         raise ValueError(
             f"table {table!r}: {spec.name}'s update is not separable by {what}s (stepping {what} pieces "
             f"apart differs from stepping the whole table), and {sharding.sharding_type} sharding splits "

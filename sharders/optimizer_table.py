@@ -28,9 +28,16 @@ import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-from overlap_optim.spec import describe_optimizer, needs_closure
+from overlap_optim.spec import OptimizerSpec, describe_optimizer, needs_closure
 
-__all__ = ["KernelChoice", "choose_kernel", "RULES", "DOC_EXAMPLES", "decision_table_markdown"]
+__all__ = [
+    "KernelChoice", "choose_kernel", "semantics_of", "RULES", "DOC_EXAMPLES", "ALL_OPTIMIZERS",
+    "decision_table_markdown", "support_table_markdown", "ROW_SPLITTING", "COLUMN_SPLITTING",
+]
+
+ROW_SPLITTING = ("row_wise", "table_row_wise")
+COLUMN_SPLITTING = ("column_wise", "table_column_wise")
+SHARDING_TYPES = ("data_parallel", "table_wise", *COLUMN_SPLITTING, *ROW_SPLITTING)
 
 
 @dataclass(frozen=True)
@@ -136,6 +143,45 @@ def choose_kernel(
     return rule(settings, device_type)
 
 
+def semantics_of(spec: OptimizerSpec, kernel: str) -> str:
+    """"lazy" (only touched rows change), "dense" (every row steps, a zero gradient where
+    untouched) or "user", for a table whose update runs in ``kernel``."""
+    if kernel == "user":
+        return "user"
+    if kernel == "data_parallel_hook" or (kernel == "fallback" and not spec.row_separable):
+        return "dense"
+    return "lazy"
+
+
+def _support(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], sharding_type: str, device: str) -> str:
+    """What happens to a table annotated ``cls(**kwargs)`` under ``sharding_type``, split in several shards."""
+    spec = describe_optimizer(cls, kwargs)
+    if sharding_type in ROW_SPLITTING and not spec.row_separable:
+        return "refused: not separable by rows"
+    if sharding_type in COLUMN_SPLITTING and not spec.column_separable:
+        return "refused: not separable by columns"
+    if sharding_type == "data_parallel":
+        return "exact, dense (DDP hook)"
+    choice = choose_kernel(cls, kwargs, device, settings=spec.defaults)
+    kernel = "fused" if choice.fused else "fallback"
+    return f"exact, {semantics_of(spec, kernel)} ({kernel})"
+
+
+def support_table_markdown(
+    examples: list[tuple[str, type[torch.optim.Optimizer], dict[str, Any]]], device: str = "cpu"
+) -> str:
+    """A markdown table: each example optimizer x sharding type, exact (lazy or dense, which kernel) or refused."""
+    lines = ["| optimizer | " + " | ".join(SHARDING_TYPES) + " |", "| --- |" + " --- |" * len(SHARDING_TYPES)]
+    for label, cls, kwargs in examples:
+        try:
+            cells = [_support(cls, kwargs, st, device) for st in SHARDING_TYPES]
+        except (TypeError, ValueError) as err:  # cannot run in backward at all
+            reason = "needs a closure" if needs_closure(cls) else str(err).split(": ", 2)[-1].split(",")[0]
+            cells = [f"refused: {reason}"] * len(SHARDING_TYPES)
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def decision_table_markdown(
     examples: list[tuple[str, type[torch.optim.Optimizer], dict[str, Any]]],
 ) -> str:
@@ -168,5 +214,29 @@ DOC_EXAMPLES: list[tuple[str, type[torch.optim.Optimizer], dict[str, Any]]] = [
 ]
 
 
+# Every optimizer of torch.optim (torch 2.13) and torchrec's RowWiseAdagrad, for the support table.
+ALL_OPTIMIZERS: list[tuple[str, type[torch.optim.Optimizer], dict[str, Any]]] = [
+    ("SGD", torch.optim.SGD, {"lr": 0.1}),
+    ("SGD(momentum, dampening, nesterov, weight_decay)", torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    ("Adagrad", torch.optim.Adagrad, {"lr": 0.1}),
+    ("Adagrad(lr_decay, weight_decay, initial_accumulator_value, maximize)", torch.optim.Adagrad, {"lr": 0.1, "lr_decay": 0.01}),
+    ("RowWiseAdagrad (torchrec)", RowWiseAdagrad, {"lr": 0.1}),
+    ("Adam, AdamW (amsgrad, maximize)", torch.optim.Adam, {"lr": 1e-3}),
+    ("Adamax", torch.optim.Adamax, {"lr": 1e-3}),
+    ("NAdam (decoupled_weight_decay, momentum_decay)", torch.optim.NAdam, {"lr": 1e-3, "decoupled_weight_decay": True}),
+    ("RAdam (decoupled_weight_decay)", torch.optim.RAdam, {"lr": 1e-3, "decoupled_weight_decay": True}),
+    ("RMSprop", torch.optim.RMSprop, {"lr": 1e-3}),
+    ("Rprop", torch.optim.Rprop, {"lr": 1e-3}),
+    ("ASGD", torch.optim.ASGD, {"lr": 1e-3}),
+    ("Adadelta", torch.optim.Adadelta, {"lr": 1.0}),
+    ("Adafactor", torch.optim.Adafactor, {"lr": 1e-2}),
+    ("Muon (2-D tables)", torch.optim.Muon, {"lr": 1e-2}),
+    ("LBFGS", torch.optim.LBFGS, {"lr": 1.0}),
+    ("SparseAdam", torch.optim.SparseAdam, {"lr": 1e-3}),
+]
+
+
 if __name__ == "__main__":
     print(decision_table_markdown(DOC_EXAMPLES))
+    print()
+    print(support_table_markdown(ALL_OPTIMIZERS))

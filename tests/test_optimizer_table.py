@@ -15,7 +15,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 import sharders
 from _sharded_parity import build
-from sharders.optimizer_table import DOC_EXAMPLES, choose_kernel, decision_table_markdown
+from sharders.optimizer_table import ALL_OPTIMIZERS, DOC_EXAMPLES, choose_kernel, decision_table_markdown, support_table_markdown
 
 # Every kwarg that may reach FBGEMM: the translated ones, never a torch.optim name.
 FBGEMM_NAMES = {"optimizer", "learning_rate", "eps"}
@@ -70,6 +70,7 @@ def test_refusals_name_the_table():
 def test_docs_show_the_decision_table():
     docs = (Path(__file__).resolve().parents[1] / "docs" / "optimizers.md").read_text()
     assert decision_table_markdown(DOC_EXAMPLES) in docs, "regenerate: python -m sharders.optimizer_table"
+    assert support_table_markdown(ALL_OPTIMIZERS) in docs, "regenerate: python -m sharders.optimizer_table"
 
 
 @pytest.fixture(scope="module")
