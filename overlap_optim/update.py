@@ -42,6 +42,8 @@ __all__ = [
 ]
 
 _Key = tuple[Any, ...]
+# The one mark on a parameter whose state init_state() made and nothing was loaded over.
+_PLACEHOLDER = "_overlap_placeholder_state"
 
 
 def fused_key(param: torch.Tensor) -> _Key | None:
@@ -223,14 +225,14 @@ def init_placeholder_state(param: torch.Tensor) -> None:
     with torch.no_grad():
         param.copy_(kept)
     param.grad = None
-    param._overlap_placeholder_state = True
+    param.__dict__[_PLACEHOLDER] = True
 
 
 def has_real_state(param: torch.Tensor) -> bool:
     """Whether ``param`` has optimizer state that is not an :func:`init_placeholder_state` placeholder."""
     optimizer = live_optimizer(param)
     return bool(optimizer is not None and optimizer.state.get(param)) and not param.__dict__.get(
-        "_overlap_placeholder_state", False
+        _PLACEHOLDER, False
     )
 
 
@@ -249,12 +251,12 @@ def load_param_state(param: torch.Tensor, state: dict[str, Any]) -> None:
     optimizer.state.pop(param, None)
     if state:
         optimizer.state[param] = state
-    param.__dict__.pop("_overlap_placeholder_state", None)
+    param.__dict__.pop(_PLACEHOLDER, None)
 
 
 def _real_state(param: torch.Tensor, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The param's state, after dropping a placeholder that nothing was loaded over."""
-    if param.__dict__.pop("_overlap_placeholder_state", False):
+    if param.__dict__.pop(_PLACEHOLDER, False):
         optimizer.state.pop(param, None)
     return optimizer.state[param]
 
