@@ -22,7 +22,10 @@ from torch.distributed.optim.apply_optimizer_in_backward import (
 from overlap_optim.spec import AnnotationGroup, describe_optimizer, needs_closure
 from overlap_optim.update import live_optimizer, step_param
 
-__all__ = ["apply_optimizer_in_backward", "materialize", "AnnotationGroup", "needs_closure"]
+__all__ = [
+    "apply_optimizer_in_backward", "materialize", "record_annotations", "reattach_annotations", "AnnotationGroup",
+    "needs_closure",
+]
 
 # Constructor arguments that are not settings a user may pass as kwargs.
 _CONSTRUCTOR_ONLY = ("params",)
@@ -93,21 +96,41 @@ def materialize(module: torch.nn.Module, device: torch.device | str) -> torch.nn
     parameters, in place, and returns ``module``. Values are uninitialised,
     as with ``to_empty``: call your init (e.g. ``reset_parameters``) after.
     """
-    before = {name: getattr(p, "_overlap_group", None) for name, p in module.named_parameters()}
+    recorded = record_annotations(module)
     module.to_empty(device=device)
-    regrouped: dict[int, list[torch.Tensor]] = {}
-    groups: dict[int, AnnotationGroup] = {}
-    for name, param in module.named_parameters():
-        group = before.get(name)
-        if group is not None:
-            groups[id(group)] = group
-            regrouped.setdefault(id(group), []).append(param)
-    for key, params in regrouped.items():
-        group = groups[key]
-        group.param_group["params"] = []
-        for param in params:
-            _annotate(param, group)
+    reattach_annotations(module, recorded)
     return module
+
+
+Recorded = dict[str, tuple[torch.Tensor, AnnotationGroup]]
+
+
+def record_annotations(module: torch.nn.Module, *, meta_only: bool = False) -> Recorded:
+    """``{fqn: (parameter, its annotation group)}`` of the annotated parameters of ``module``
+    (with ``meta_only``, of those on the meta device), for :func:`reattach_annotations`."""
+    return {
+        name: (param, param._overlap_group)
+        for name, param in module.named_parameters()
+        if getattr(param, "_overlap_group", None) is not None and (param.is_meta or not meta_only)
+    }
+
+
+def reattach_annotations(module: torch.nn.Module, recorded: Recorded) -> list[str]:
+    """Annotate each parameter now at a recorded FQN as the recorded one was, where something
+    replaced the Parameter object (``Module.to_empty``, TorchRec's ``init_parameters``); the
+    replaced object leaves its group. Returns the FQNs re-annotated."""
+    done = []
+    for name, (old, group) in recorded.items():
+        try:
+            param = module.get_parameter(name)
+        except AttributeError:  # the sharder took it (an embedding table)
+            continue
+        if param is old or getattr(param, "_overlap_group", None) is not None:
+            continue
+        _remove_hooks(old)
+        _annotate(param, group)
+        done.append(name)
+    return done
 
 
 def _annotate(param: torch.Tensor, group: AnnotationGroup) -> None:

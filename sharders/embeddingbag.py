@@ -14,6 +14,12 @@ A fusable table can be pinned to the fallback, by name
 (``fallback_tables=``) or by a plan that gives it compute kernel "dense";
 any other kernel in the plan is replaced by the decision above.
 
+Fused and fallback tables are lazy: on a batch that leaves rows untouched,
+those rows and their state do not change. ``dense_tables=`` names tables that
+step every row of their shard on every batch instead (a zero gradient where
+untouched), exactly as ``torch.optim`` on a dense ``nn.EmbeddingBag``; they
+run in the fallback, at a cost that follows the shard's size.
+
 A table with no annotation gets TorchRec's dense kernel (or, data-parallel,
 plain DDP): its gradient is handed back on the sharded weight's ``.grad`` for
 the user's own optimizer (see ``overlap_optim.unoptimized_parameters``); stock
@@ -42,6 +48,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder as _
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim.fused import EmptyFusedOptimizer
 
 from overlap_optim.spec import AnnotationGroup, describe_optimizer, needs_closure
 from overlap_optim.comm_hooks import OptimizerHookState
@@ -67,12 +74,13 @@ class TableDecision:
     sharding_type: str
     group: AnnotationGroup | None  # None: no annotation, the gradient goes back to the user
     choice: KernelChoice
+    dense_requested: bool = False  # named in dense_tables
 
     @property
     def semantics(self) -> str:
         """"lazy": only the rows a batch touched change; "dense": every row steps, on a zero
         gradient where untouched (the whole-table optimizer); "user": not ours to step."""
-        return "user" if self.group is None else semantics_of(self.group.spec, self.kernel)
+        return "user" if self.group is None else semantics_of(self.group.spec, self.kernel, self.dense_requested)
 
     @property
     def kernel(self) -> str:
@@ -93,12 +101,20 @@ class EmbeddingBagCollectionSharder(_TorchRecSharder):
     """
 
     def __init__(
-        self, fused_params: dict[str, Any] | None = None, *, fallback_tables: Iterable[str] = (), **kwargs: Any
+        self,
+        fused_params: dict[str, Any] | None = None,
+        *,
+        fallback_tables: Iterable[str] = (),
+        dense_tables: Iterable[str] = (),
+        **kwargs: Any,
     ) -> None:
-        """``fallback_tables``: tables to run in the fallback even where FBGEMM could fuse them."""
-        if isinstance(fallback_tables, str):
-            raise TypeError(f"fallback_tables takes table names, got the string {fallback_tables!r}")
+        """``fallback_tables``: tables to run in the fallback even where FBGEMM could fuse them.
+        ``dense_tables``: tables to run with dense semantics (in the fallback; see the module doc)."""
+        for option, names in (("fallback_tables", fallback_tables), ("dense_tables", dense_tables)):
+            if isinstance(names, str):
+                raise TypeError(f"{option} takes table names, got the string {names!r}")
         self.fallback_tables = frozenset(fallback_tables)
+        self.dense_tables = frozenset(dense_tables)
         optimizer_keys = sorted(set(fused_params or {}) & {"optimizer", "learning_rate", "eps", "weight_decay"})
         if optimizer_keys:
             raise ValueError(
@@ -122,16 +138,26 @@ class EmbeddingBagCollectionSharder(_TorchRecSharder):
         device = device or torch.device("cpu")
         torch_made: dict[str, AnnotationGroup] = {}
         decisions = {
-            config.name: _decide(module, config.name, params[config.name], device, torch_made, self.fallback_tables)
+            config.name: _decide(
+                module, config.name, params[config.name], device, torch_made, self.fallback_tables, self.dense_tables
+            )
             for config in module.embedding_bag_configs()
         }
-        unknown = sorted(self.fallback_tables - set(decisions))
-        if unknown:
-            raise ValueError(f"fallback_tables names tables this module does not have: {unknown}")
+        for option, names in (("fallback_tables", self.fallback_tables), ("dense_tables", self.dense_tables)):
+            unknown = sorted(names - set(decisions))
+            if unknown:
+                raise ValueError(f"{option} names tables this module does not have: {unknown}")
+        unannotated = sorted(n for n in self.dense_tables & set(decisions) if decisions[n].group is None)
+        if unannotated:
+            raise ValueError(
+                f"dense_tables names tables with no in-backward optimizer: {unannotated}; their gradient "
+                "goes to your own optimizer, which decides their semantics"
+            )
         params = {name: _with_kernel(sharding, decisions.get(name)) for name, sharding in params.items()}
         with _translated_annotations(module, decisions):
             sharded = super().shard(module, params, env, device, module_fqn)
         _install_fallback_kernels(sharded, decisions)
+        _mark_updated_in_backward(sharded, decisions)
         fused = [k for lookup, k in kernels_of(sharded) if _is_fused(lookup, k)]
         install_fused_kernel_hooks(fused, {n: d.group for n, d in decisions.items()}, device.type)
         for name, decision in decisions.items():  # the sharded module holds the tables now
@@ -181,6 +207,7 @@ def _decide(
     device: torch.device,
     torch_made: dict[str, AnnotationGroup],
     pinned: frozenset[str] = frozenset(),
+    dense: frozenset[str] = frozenset(),
 ) -> TableDecision:
     group = annotation_of(module.embedding_bags[table].weight, table, torch_made)
     if group is None:  # TorchRec's dense kernel: the gradient is handed back on the weight
@@ -188,12 +215,14 @@ def _decide(
     choice = choose_kernel(
         group.optimizer_class, group.optimizer_kwargs, device.type, table=table, settings=group.hyperparameters()
     )
-    if choice.fused and table in pinned:
+    if choice.fused and table in dense:
+        choice = KernelChoice(False, reason="dense semantics requested (dense_tables)")
+    elif choice.fused and table in pinned:
         choice = KernelChoice(False, reason="pinned to the fallback (fallback_tables)")
     elif choice.fused and sharding.compute_kernel == EmbeddingComputeKernel.DENSE.value:
         choice = KernelChoice(False, reason="the plan gives it compute kernel 'dense'")
     _check_separable(table, group, sharding)
-    return TableDecision(table, sharding.sharding_type, group, choice)
+    return TableDecision(table, sharding.sharding_type, group, choice, dense_requested=table in dense)
 
 
 def _check_separable(table: str, group: AnnotationGroup, sharding: ParameterSharding) -> None:
@@ -284,6 +313,17 @@ def _install_fallback_kernels(sharded: ShardedEmbeddingBagCollection, decisions:
         # keyed as TorchRec keys the fused ones, so DMP's fused_optimizer covers them too.
         optimizer.params = {f"embedding_bags.{k}": v for k, v in optimizer.params.items()}
         sharded._optim._optims.append(("", optimizer))
+
+
+def _mark_updated_in_backward(sharded: ShardedEmbeddingBagCollection, decisions: dict[str, TableDecision]) -> None:
+    """Mark each fallback table's weight as TorchRec marks a fused one, the empty placeholder
+    of a table held on other ranks included, so that TorchRec's ``in_backward_optimizer_filter``
+    keeps it from the user's optimizer: ``CombinedOptimizer([model.fused_optimizer, user])``
+    then sees each key once."""
+    for name, decision in decisions.items():
+        weight = sharded.embedding_bags[name].weight
+        if decision.kernel == "fallback" and not hasattr(weight, "_in_backward_optimizers"):
+            weight._in_backward_optimizers = [EmptyFusedOptimizer()]
 
 
 def _install_data_parallel_hooks(

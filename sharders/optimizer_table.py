@@ -143,12 +143,13 @@ def choose_kernel(
     return rule(settings, device_type)
 
 
-def semantics_of(spec: OptimizerSpec, kernel: str) -> str:
+def semantics_of(spec: OptimizerSpec, kernel: str, dense_requested: bool = False) -> str:
     """"lazy" (only touched rows change), "dense" (every row steps, a zero gradient where
-    untouched) or "user", for a table whose update runs in ``kernel``."""
+    untouched) or "user", for a table whose update runs in ``kernel``. The fallback is dense
+    for an optimizer that is not row-separable, and for a table whose user asked for it."""
     if kernel == "user":
         return "user"
-    if kernel == "data_parallel_hook" or (kernel == "fallback" and not spec.row_separable):
+    if kernel == "data_parallel_hook" or (kernel == "fallback" and (dense_requested or not spec.row_separable)):
         return "dense"
     return "lazy"
 

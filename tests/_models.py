@@ -67,7 +67,7 @@ def assert_moved(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
 class ManyTableModel(nn.Module):
     """``len(names)`` tables ``ebc.embedding_bags[name]`` (one feature ``f_<name>`` each) and an MLP."""
 
-    def __init__(self, names: list[str], rows: int = ROWS, dim: int = 8, seed: int = 0) -> None:
+    def __init__(self, names: list[str], rows: int = ROWS, dim: int = 8, seed: int = 0, device: str = "cpu") -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.names = list(names)
@@ -75,8 +75,9 @@ class ManyTableModel(nn.Module):
             EmbeddingBagConfig(name=n, embedding_dim=dim, num_embeddings=rows, feature_names=[f"f_{n}"])
             for n in self.names
         ]
-        self.ebc = EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))
-        self.dense = nn.Sequential(nn.Linear(len(names) * dim, 4), nn.Tanh(), nn.Linear(4, 1))
+        self.ebc = EmbeddingBagCollection(tables=configs, device=torch.device(device))
+        self.dense = nn.Sequential(nn.Linear(len(names) * dim, 4, device=device), nn.Tanh(),
+                                   nn.Linear(4, 1, device=device))
 
     def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
         pooled = self.ebc(kjt)

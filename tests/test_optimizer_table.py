@@ -151,28 +151,50 @@ def test_register_optimizer_hook_refusals(world_of_one):
         register_optimizer_hook(DistributedDataParallel(model, find_unused_parameters=True))
 
 
-def test_dmp_warns_when_meta_dense_annotations_were_dropped(world_of_one):
+def test_dmp_built_on_meta_keeps_dense_annotations_and_drops_the_meta_parameters(world_of_one):
+    from _models import TinyModel
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+
+    from overlap_optim import apply_optimizer_in_backward, unoptimized_parameters
+
+    model = TinyModel(device="meta")
+    apply_optimizer_in_backward(torch.optim.SGD, model.ebc.parameters(), {"lr": 0.1})
+    group = apply_optimizer_in_backward(torch.optim.Adam, model.dense[0].parameters(), {"lr": 0.1})
+    sharder = sharders.EmbeddingBagCollectionSharder()
+    plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu")).collective_plan(
+        model, [sharder], dist.group.WORLD
+    )
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder],
+                                   data_parallel_wrapper=sharders.DataParallelWrapper())
+    params = dict(dmp.named_parameters())
+    assert [p for p in group.param_group["params"] if p.is_meta] == []
+    assert {id(p) for p in group.param_group["params"]} == {id(params["dense.0.weight"]), id(params["dense.0.bias"])}
+    assert sorted(unoptimized_parameters(dmp)) == ["dense.2.bias", "dense.2.weight"]  # left to the user
+
+
+def test_dense_tables_input_is_checked_by_name(world_of_one):
     from _models import TinyModel
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 
     from overlap_optim import apply_optimizer_in_backward
 
-    model = TinyModel(device="meta")
-    apply_optimizer_in_backward(torch.optim.SGD, model.ebc.parameters(), {"lr": 0.1})
-    apply_optimizer_in_backward(torch.optim.Adam, model.dense.parameters(), {"lr": 0.1})
-    sharder = sharders.EmbeddingBagCollectionSharder()
-    plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu")).collective_plan(
-        model, [sharder], dist.group.WORLD
-    )
-    with pytest.warns(UserWarning, match=r"4 data-parallel parameter\(s\) carry no in-backward optimizer.*to_empty"):
-        DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder],
-                                 data_parallel_wrapper=sharders.DataParallelWrapper())
+    with pytest.raises(TypeError, match="dense_tables takes table names, got the string 't0'"):
+        sharders.EmbeddingBagCollectionSharder(dense_tables="t0")
+    for dense, message in ((["t0", "t9"], r"dense_tables names tables this module does not have: \['t9'\]"),
+                           (["t1"], r"dense_tables names tables with no in-backward optimizer: \['t1'\]")):
+        model = TinyModel()
+        apply_optimizer_in_backward(torch.optim.Adam, model.ebc.embedding_bags["t0"].parameters(), {"lr": 0.1})
+        sharder = sharders.EmbeddingBagCollectionSharder(dense_tables=dense)
+        plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu")).collective_plan(
+            model, [sharder], dist.group.WORLD
+        )
+        with pytest.raises(ValueError, match=message):
+            DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
 
 
 def test_materialized_dense_part_keeps_its_annotation_under_dmp(world_of_one):
-    import warnings
-
     from _models import TinyModel
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
@@ -189,10 +211,8 @@ def test_materialized_dense_part_keeps_its_annotation_under_dmp(world_of_one):
     plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu")).collective_plan(
         model, [sharder], dist.group.WORLD
     )
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*carry no in-backward optimizer.*")
-        dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder],
-                                       data_parallel_wrapper=sharders.DataParallelWrapper())
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder],
+                                   data_parallel_wrapper=sharders.DataParallelWrapper())
     dense = [p for n, p in dmp.named_parameters() if n.startswith("dense.")]
     assert len(dense) == 4 and all(p._optimizer_classes == [torch.optim.Adam] for p in dense)
 
