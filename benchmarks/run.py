@@ -117,7 +117,16 @@ def _write_reports(results: dict, args: argparse.Namespace) -> None:
     (args.out / "report.md").write_text(report(results, plots_from=""))
     if args.docs is not None:
         relative = os.path.relpath(args.out, args.docs.parent)
-        args.docs.write_text(report(results, plots_from=relative + "/"))
+        args.docs.write_text(report(results, plots_from=relative + "/") + _kept_sections(args.docs))
+
+
+# What follows this line in the docs page comes from benchmarks run by hand (benchmarks/soak.py).
+HAND_RUN = "<!-- Sections below come from benchmarks run by hand; benchmarks.run keeps them. -->"
+
+
+def _kept_sections(docs: Path) -> str:
+    text = docs.read_text() if docs.exists() else ""
+    return "\n" + text[text.index(HAND_RUN):] if HAND_RUN in text else ""
 
 
 def _machine() -> dict:
