@@ -2,181 +2,82 @@
 
 - :func:`step_param`: one parameter, its own ``torch.optim`` step with the
   group's current hyperparameters, then the gradient is released.
-- :func:`step_params`: many parameters at once, one foreach or fused update per
-  set of compatible settings (virtual parameter groups).
+- :func:`step_params`: many parameters at once; :func:`step_tables`: the
+  tables of one kernel at once.
 - :class:`RowOptimizer`: the rows of a table that a batch touched (lazy);
   :class:`DenseTableOptimizer`: a whole table, untouched rows on a zero gradient.
 
 State made by ``init_state()`` and never loaded over is a placeholder; the rule
 that drops it before the first real update lives in :func:`_real_state`.
 
-Multi-tensor updates: parameters whose optimizer class and non-float settings agree (Adam's amsgrad,
-SGD's nesterov, RMSprop's centered, ...) are stepped together, each with its own
-float hyperparameters (lr, betas, eps, weight_decay, momentum): foreach ops take
-a list of scalars. That gives virtual parameter groups: three learning rates on
-300 parameters cost one update, not 300 Python-level steps.
-
-The math is ``torch.optim``'s own: for Adam and AdamW its fused kernel, called
-once per distinct set of float hyperparameters (three learning rates, three
-calls); for SGD and RMSprop its multi-tensor path, op for op, with scalars made
-lists. State lives in each parameter's live optimizer under torch's names,
-so checkpoints and ``get_optimizers`` see no difference. Classes or settings
-not listed here (and ``foreach``/``fused``/``capturable``/``differentiable``
-set by the user) fall back to the parameter's own ``torch.optim`` step.
+Many tensors at once (:func:`step_params`, :func:`step_tables`): tensors whose
+settings differ only in floats form a virtual parameter group and share one
+multi-tensor update (:mod:`overlap_optim.virtual_groups`); the rest step alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from overlap_optim.virtual_groups import VirtualKey, multi_tensor_step, virtual_key
 
 if TYPE_CHECKING:
     from overlap_optim.annotation import AnnotationGroup
 
 __all__ = [
-    "step_param", "step_params", "fused_key", "live_optimizer", "init_placeholder_state", "load_param_state",
+    "step_param", "step_params", "step_tables", "live_optimizer", "init_placeholder_state", "load_param_state",
     "has_real_state", "drop_placeholder_state",
     "RowOptimizer", "DenseTableOptimizer", "TableOptimizer", "table_optimizer",
 ]
 
-_Key = tuple[Any, ...]
 # The one mark on a parameter whose state init_state() made and nothing was loaded over.
 _PLACEHOLDER = "_overlap_placeholder_state"
 
 
-def fused_key(param: torch.Tensor) -> _Key | None:
-    """Parameters with equal keys share one foreach update; None: step alone."""
-    group = param._overlap_group
-    h = group.param_group
-    if any(h.get(flag) for flag in ("foreach", "fused", "capturable", "differentiable")) or param.is_sparse:
-        return None
-    cls = group.optimizer_class
-    if cls in (torch.optim.Adam, torch.optim.AdamW):
-        return ("adam", bool(h["amsgrad"]), bool(h["maximize"]), bool(h.get("decoupled_weight_decay")) or cls is torch.optim.AdamW)
-    if cls is torch.optim.SGD:
-        return ("sgd", bool(h["nesterov"]), bool(h["maximize"]), h["momentum"] != 0)
-    if cls is torch.optim.RMSprop:
-        return ("rmsprop", bool(h["centered"]), bool(h["maximize"]), h["momentum"] > 0)
-    return None
-
-
 def step_params(params: list[torch.Tensor]) -> None:
-    """Step every param (each has ``.grad`` set) and release its grad: one foreach
-    update per set of compatible settings, the param's own step for the rest."""
-    sets: dict[_Key, list[torch.Tensor]] = {}
+    """Step every param (each has ``.grad`` set) and release its grad: one multi-tensor
+    update per virtual group, the param's own ``torch.optim`` step for the rest."""
+    sets: dict[VirtualKey, list[torch.Tensor]] = {}
     checked: set[int] = set()
     for param in params:
-        if id(param._overlap_group) not in checked:  # before fused_key reads the fixed settings
+        group = param._overlap_group
+        if id(group) not in checked:  # before virtual_key reads the fixed settings
             check_live(param)
-            checked.add(id(param._overlap_group))
-        key = fused_key(param)
+            checked.add(id(group))
+        key = virtual_key(group.spec, group.param_group, param)
         if key is None:
             step_param(param)
         else:
             sets.setdefault(key, []).append(param)
-    for key, members in sets.items():
-        states = [_state_of(p) for p in members]
+    for members in sets.values():
+        states = [_real_state(p, live_optimizer(p)) for p in members]
         hypers = [p._overlap_group.param_group for p in members]
-        grads = [p.grad for p in members]
-        with torch.no_grad():
-            _UPDATES[key[0]](members, grads, states, hypers, *key[1:])
+        multi_tensor_step(members[0]._overlap_group.spec, members, [p.grad for p in members], states, hypers)
         for p in members:
             p.grad = None
 
 
-def _state_of(param: torch.Tensor) -> dict[str, Any]:
-    return _real_state(param, live_optimizer(param))
-
-
-def _step_counts(states: list[dict], params: list[torch.Tensor]) -> list[torch.Tensor]:
-    for state in states:
-        if "step" not in state:
-            state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
-    steps = [s["step"] for s in states]
-    torch._foreach_add_(steps, 1)
-    return steps
-
-
-def _zeros(states: list[dict], params: list[torch.Tensor], name: str) -> list[torch.Tensor]:
-    for state, p in zip(states, params):
-        if name not in state:
-            state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    return [s[name] for s in states]
-
-
-def _adam(params, grads, states, hypers, amsgrad: bool, maximize: bool, decoupled: bool) -> None:
-    """torch's fused Adam kernel, one call per distinct set of float hyperparameters."""
-    exp_avgs, exp_avg_sqs = _zeros(states, params, "exp_avg"), _zeros(states, params, "exp_avg_sq")
-    max_sqs = _zeros(states, params, "max_exp_avg_sq") if amsgrad else []
-    steps = _step_counts(states, params)
-    floats: dict[tuple[float, ...], list[int]] = {}
-    for i, h in enumerate(hypers):
-        key = (float(h["lr"]), float(h["betas"][0]), float(h["betas"][1]), float(h["weight_decay"]), float(h["eps"]))
-        floats.setdefault(key, []).append(i)
-    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    for (lr, beta1, beta2, weight_decay, eps), index in floats.items():
-        def pick(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-            return [tensors[i] for i in index] if tensors else []
-
-        kernel(
-            pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), pick(max_sqs), pick(steps),
-            lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-            amsgrad=amsgrad, maximize=maximize,
-        )
-
-
-def _sgd(params, grads, states, hypers, nesterov: bool, maximize: bool, has_momentum: bool) -> None:
-    if maximize:
-        grads = torch._foreach_neg(grads)
-    wds = [float(h["weight_decay"]) for h in hypers]
-    if any(wds):
-        grads = torch._foreach_add(grads, torch._foreach_mul(params, wds))
-    if has_momentum:
-        momenta = [float(h["momentum"]) for h in hypers]
-        bufs = []
-        for state, grad, h, momentum in zip(states, grads, hypers, momenta):
-            buf = state.get("momentum_buffer")
-            if buf is None:
-                state["momentum_buffer"] = buf = torch.clone(grad).detach()
-            else:
-                buf.mul_(momentum).add_(grad, alpha=1 - float(h["dampening"]))
-            bufs.append(buf)
-        grads = torch._foreach_add(grads, torch._foreach_mul(bufs, momenta)) if nesterov else bufs
-    torch._foreach_add_(params, torch._foreach_mul(grads, [-float(h["lr"]) for h in hypers]))
-
-
-def _rmsprop(params, grads, states, hypers, centered: bool, maximize: bool, has_momentum: bool) -> None:
-    if maximize:
-        grads = torch._foreach_neg(grads)
-    square_avgs = _zeros(states, params, "square_avg")
-    grad_avgs = _zeros(states, params, "grad_avg") if centered else []
-    bufs = _zeros(states, params, "momentum_buffer") if has_momentum else []
-    _step_counts(states, params)
-    wds = [float(h["weight_decay"]) for h in hypers]
-    if any(wds):
-        grads = torch._foreach_add(grads, torch._foreach_mul(params, wds))
-    alphas = [float(h["alpha"]) for h in hypers]
-    torch._foreach_mul_(square_avgs, alphas)
-    torch._foreach_addcmul_(square_avgs, grads, grads, [1 - a for a in alphas])
-    if centered:
-        torch._foreach_lerp_(grad_avgs, grads, [1 - a for a in alphas])
-        avg = torch._foreach_addcmul(square_avgs, grad_avgs, grad_avgs, [-1.0] * len(params))
-        torch._foreach_sqrt_(avg)
-    else:
-        avg = torch._foreach_sqrt(square_avgs)
-    torch._foreach_add_(avg, [float(h["eps"]) for h in hypers])
-    lrs = [-float(h["lr"]) for h in hypers]
-    if has_momentum:
-        torch._foreach_mul_(bufs, [float(h["momentum"]) for h in hypers])
-        torch._foreach_addcdiv_(bufs, grads, avg)
-        torch._foreach_add_(params, torch._foreach_mul(bufs, lrs))
-    else:
-        torch._foreach_addcdiv_(params, grads, avg, lrs)
-
-
-_UPDATES: dict[str, Callable[..., None]] = {"adam": _adam, "sgd": _sgd, "rmsprop": _rmsprop}
+def step_tables(updates: list[tuple[TableOptimizer, torch.Tensor, torch.Tensor]]) -> None:
+    """``(table optimizer, unique row ids, their summed gradients)`` for each table of a kernel:
+    the tables of one virtual group share one multi-tensor update, each with its own float
+    settings read from its param group now; the rest step alone."""
+    sets: dict[VirtualKey, list[tuple[TableOptimizer, torch.Tensor, torch.Tensor]]] = {}
+    for table, ids, grads in updates:
+        table.group.spec.check_live(table.param_group, f"table {table.name!r}")
+        key = virtual_key(table.group.spec, table.param_group, table.weight)
+        if key is None:
+            table.step(ids, grads)
+        else:
+            sets.setdefault(key, []).append((table, ids, grads))
+    for members in sets.values():
+        prepared = [table.prepare(ids, grads) for table, ids, grads in members]
+        params, grads, states = (list(x) for x in zip(*prepared))
+        hypers = [table.param_group for table, _, _ in members]
+        multi_tensor_step(members[0][0].group.spec, params, grads, states, hypers)
+        for (table, ids, _), param, state in zip(members, params, states):
+            table.finish(ids, param, state)
 
 
 def live_optimizer(param: torch.Tensor) -> torch.optim.Optimizer | None:
@@ -319,28 +220,36 @@ class RowOptimizer:
     @torch.no_grad()
     def step(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """Update rows ``ids`` (unique, 1-D, possibly empty) with their summed gradients ``grads``."""
-        assert ids.dim() == 1 and grads.shape == (ids.numel(), self.weight.shape[1])
-        self.group.spec.check_live(self.param_group, f"table {self.name!r}")
-        if self.placeholder_state:  # made by init_state and never loaded over: start afresh
-            self.row_state, self.table_state, self.placeholder_state = {}, {}, False
-        rows = self.weight.index_select(0, ids)
-        rows.grad = grads.to(rows.dtype)
-        first = not self.row_state and not self.table_state
-        if first:  # a new optimizer on the rows, so its own state init runs
-            optimizer = self.group.optimizer_class([rows], **self.group.optimizer_kwargs)
-        else:
+        rows, rows.grad, state = self.prepare(ids, grads)
+        if state:
             optimizer = self._optimizer
             optimizer.param_groups[0]["params"] = [rows]
             optimizer.state.clear()
-            optimizer.state[rows] = self.state_for_rows(ids)
+            optimizer.state[rows] = state
+        else:  # a new optimizer on the rows, so its own state init runs
+            optimizer = self.group.optimizer_class([rows], **self.group.optimizer_kwargs)
         optimizer.param_groups[0].update(self.group.hyperparameters())
         try:
             optimizer.step()
         finally:
             stepped = optimizer.state.pop(rows, {})
             self._optimizer.param_groups[0]["params"] = [self._placeholder]
+        self.finish(ids, rows, stepped)
+
+    def prepare(self, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """``(rows, their gradient, their torch.optim state)`` for one update of rows ``ids``
+        (empty state before the table's first step); :meth:`finish` writes the result back."""
+        assert ids.dim() == 1 and grads.shape == (ids.numel(), self.weight.shape[1])
+        self.group.spec.check_live(self.param_group, f"table {self.name!r}")
+        if self.placeholder_state:  # made by init_state and never loaded over: start afresh
+            self.row_state, self.table_state, self.placeholder_state = {}, {}, False
+        return self.weight.index_select(0, ids), grads.to(self.weight.dtype), self.state_for_rows(ids)
+
+    @torch.no_grad()
+    def finish(self, ids: torch.Tensor, rows: torch.Tensor, stepped: dict[str, Any]) -> None:
+        """Write the updated ``rows`` and their state ``stepped`` back into the table."""
         self._check_layout(stepped)
-        if first:
+        if not self.row_state and not self.table_state:
             self._allocate()
         self.weight.index_copy_(0, ids, rows)
         for key, value in stepped.items():
@@ -426,18 +335,25 @@ class DenseTableOptimizer:
     @torch.no_grad()
     def step(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """Step the whole table on the gradient that is ``grads`` at rows ``ids`` (unique) and zero elsewhere."""
+        _, self.weight.grad, _ = self.prepare(ids, grads)
+        self._optimizer.param_groups[0].update(self.group.hyperparameters())
+        try:
+            self._optimizer.step()
+        finally:
+            self.weight.grad = None
+
+    def prepare(self, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """``(the table, its whole gradient, its torch.optim state)``, updated in place by the caller."""
         self.group.spec.check_live(self.param_group, f"table {self.name!r}")
         if self.placeholder_state:
             self._optimizer.state.clear()
             self.placeholder_state = False
         grad = torch.zeros_like(self.weight)
         grad.index_copy_(0, ids, grads.to(grad.dtype))
-        self.weight.grad = grad
-        self._optimizer.param_groups[0].update(self.group.hyperparameters())
-        try:
-            self._optimizer.step()
-        finally:
-            self.weight.grad = None
+        return self.weight, grad, self._optimizer.state[self.weight]
+
+    def finish(self, ids: torch.Tensor, table: torch.Tensor, stepped: dict[str, Any]) -> None:
+        """Nothing to write back: the update ran on the table and its state in place."""
 
     def init_state(self) -> None:
         """Create the state if there is none (a placeholder, as :meth:`RowOptimizer.init_state`); weights stay."""

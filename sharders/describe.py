@@ -22,25 +22,34 @@ def kernel_rows(model: nn.Module) -> list[tuple[str, ...]]:
         if decisions is None:
             continue
         for index, (_, kernel) in enumerate(kernels_of(module)):
-            tables = [t.name for t in kernel.config.embedding_tables]
-            first = decisions[tables[0]]
+            tables = [decisions[t.name] for t in kernel.config.embedding_tables]
             rows.append((
                 rank,
                 unwrapped_path(path),
                 str(index),
-                first.sharding_type,
-                ", ".join(tables),
-                _setting(first),
-                _runs_as(first),
-                first.semantics,
-                first.choice.reason if first.kernel in ("fallback", "user") else "",
+                tables[0].sharding_type,
+                ", ".join(d.table for d in tables),
+                _per_table(tables, _setting),
+                _per_table(tables, _runs_as),
+                _per_table(tables, lambda d: d.semantics),
+                _per_table(tables, lambda d: d.choice.reason if d.kernel in ("fallback", "user") else ""),
             ))
     return rows
 
 
+def _per_table(tables: list[TableDecision], column) -> str:
+    """The column's value, once if every table of the kernel agrees, else ``table: value`` for each
+    (the tables of a virtual group share a fallback kernel with settings that differ in floats)."""
+    values = [column(d) for d in tables]
+    if len(set(values)) == 1:
+        return values[0]
+    return "; ".join(f"{d.table}: {v}" for d, v in zip(tables, values))
+
+
 def describe(model: nn.Module) -> str:
     """A markdown table of every kernel on every rank: its tables, sharding type,
-    optimizer and settings, fused or fallback, its semantics ("lazy": only the
+    optimizer and settings (each table's, where the tables of a fallback kernel
+    differ in float settings: one virtual group), fused or fallback, its semantics ("lazy": only the
     rows a batch touched change; "dense": every row steps, untouched ones on a
     zero gradient), and for a fallback which setting prevented fusion.
 

@@ -265,17 +265,13 @@ def _translated_annotations(module: nn.Module, decisions: dict[str, TableDecisio
     passes exactly what :func:`choose_kernel` produced.
     """
     saved = {}
-    group_token: dict[int, int] = {}  # by first table: the same on every rank
-    for decision in decisions.values():
-        if decision.group is not None:
-            group_token.setdefault(id(decision.group), len(group_token))
+    tokens: dict[Any, int] = {}  # numbered by first table: the same on every rank
     for name, decision in decisions.items():
         weight = module.embedding_bags[name].weight
         saved[name] = {a: weight.__dict__[a] for a in ("_optimizer_classes", "_optimizer_kwargs") if a in weight.__dict__}
         fused = decision.choice.fused and decision.kernel == "fused"
         weight._optimizer_classes = [None]
-        token = "user" if decision.group is None else group_token[id(decision.group)]
-        group_key = {_GROUP_KEY: f"overlap_optim:{token}"}
+        group_key = {_GROUP_KEY: f"overlap_optim:{tokens.setdefault(_kernel_group(decision), len(tokens))}"}
         weight._optimizer_kwargs = [{**decision.choice.fbgemm_kwargs, **group_key} if fused else group_key]
     try:
         yield
@@ -285,6 +281,18 @@ def _translated_annotations(module: nn.Module, decisions: dict[str, TableDecisio
             for attr in ("_optimizer_classes", "_optimizer_kwargs"):
                 weight.__dict__.pop(attr, None)
             weight.__dict__.update(attrs)
+
+
+def _kernel_group(decision: TableDecision) -> Any:
+    """Tables with equal values may share a kernel. A fused TBE has one learning rate: one per
+    annotation group. Fallback tables whose settings differ only in floats form one virtual
+    group (one lookup, one multi-tensor update with per-table settings; see
+    :mod:`overlap_optim.virtual_groups`), so they share a kernel."""
+    if decision.group is None:
+        return "user"
+    if decision.choice.fused:
+        return ("fused", id(decision.group))
+    return ("fallback", decision.group.spec.share_key)
 
 
 def _is_fused(lookup: nn.Module, kernel: nn.Module) -> bool:

@@ -24,7 +24,7 @@ from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from overlap_optim.spec import AnnotationGroup
-from overlap_optim.update import TableOptimizer, table_optimizer
+from overlap_optim.update import TableOptimizer, step_tables, table_optimizer
 
 __all__ = ["FallbackEmbeddingBag", "FallbackOptimizer"]
 
@@ -95,6 +95,7 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
         per_table: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for ids, grads, table in self._value_grads(grad_out, indices, offsets, weights):
             per_table.setdefault(table, []).append((ids, grads))
+        updates = []
         for table, rows in enumerate(self.row_optimizers):  # every table steps, touched or not
             parts = per_table.get(table, [])
             ids = torch.cat([p[0] for p in parts]) if parts else indices.new_zeros(0)
@@ -102,7 +103,8 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
             unique, inverse = torch.unique(ids, return_inverse=True)
             summed = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype, device=grads.device)
             summed.index_add_(0, inverse, grads)
-            rows.step(unique, summed)
+            updates.append((rows, unique, summed))
+        step_tables(updates)  # one multi-tensor update per virtual group of tables
 
     def _value_grads(self, grad_out, indices, offsets, weights):
         """Per feature: (row ids, gradient of each looked-up value, table index)."""

@@ -1,0 +1,84 @@
+"""One multi-tensor update per virtual group equals torch.optim with one param group per tensor.
+
+Reference: plain ``torch.optim`` (its default, single-tensor path: ``foreach=False``), one param
+group per tensor, each with its own float settings and its own LambdaLR. Ours: one
+:func:`multi_tensor_step` call per step over all tensors, reading the same live param groups.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from overlap_optim.spec import describe_optimizer
+from overlap_optim.virtual_groups import MULTI_TENSOR, multi_tensor_step, virtual_key
+
+# (class, fixed settings, float settings per tensor i)
+CASES = [
+    ("sgd", torch.optim.SGD, {}, lambda i: {"lr": 0.05 * (i + 1), "weight_decay": 0.01 * i}),
+    ("sgd_momentum", torch.optim.SGD, {}, lambda i: {"lr": 0.05 * (i + 1), "momentum": 0.3 * (i % 3),
+                                                     "dampening": 0.1 * i}),
+    ("sgd_nesterov", torch.optim.SGD, {"nesterov": True, "momentum": 0.9}, lambda i: {"lr": 0.05 * (i + 1), "momentum": 0.5 + 0.1 * i}),
+    ("adam", torch.optim.Adam, {}, lambda i: {"lr": 0.01 * (i + 1), "betas": (0.8 + 0.03 * i, 0.99 - 0.002 * i),
+                                              "eps": 10.0 ** -(6 + i), "weight_decay": 0.02 * i}),
+    ("adam_amsgrad_max", torch.optim.Adam, {"amsgrad": True, "maximize": True}, lambda i: {"lr": 0.01 * (i + 1)}),
+    ("adamw", torch.optim.AdamW, {}, lambda i: {"lr": 0.01 * (i + 1), "weight_decay": 0.05 * (i + 1)}),
+    # torch's Adagrad takes initial_accumulator_value from its constructor only, not per group
+    ("adagrad", torch.optim.Adagrad, {"initial_accumulator_value": 0.1}, lambda i: {"lr": 0.1 * (i + 1),
+                                                    "lr_decay": 0.05 * i, "weight_decay": 0.01 * i}),
+    ("rmsprop", torch.optim.RMSprop, {}, lambda i: {"lr": 0.01 * (i + 1), "alpha": 0.9 + 0.02 * i,
+                                                    "momentum": 0.4 * (i % 2), "weight_decay": 0.01 * i}),
+    ("rmsprop_centered", torch.optim.RMSprop, {"centered": True}, lambda i: {"lr": 0.01 * (i + 1), "momentum": 0.3}),
+    ("adamax", torch.optim.Adamax, {}, lambda i: {"lr": 0.02 * (i + 1), "betas": (0.85 + 0.03 * i, 0.99),
+                                                  "weight_decay": 0.01 * i}),
+    ("nadam", torch.optim.NAdam, {}, lambda i: {"lr": 0.02 * (i + 1), "momentum_decay": 0.004 * (i + 1),
+                                                "weight_decay": 0.01 * i}),
+    ("nadam_decoupled", torch.optim.NAdam, {"decoupled_weight_decay": True},
+     lambda i: {"lr": 0.02 * (i + 1), "weight_decay": 0.05 * (i + 1)}),
+    ("radam", torch.optim.RAdam, {}, lambda i: {"lr": 0.02 * (i + 1), "betas": (0.9, 0.9 + 0.02 * i),
+                                                "weight_decay": 0.01 * i}),
+    ("radam_decoupled", torch.optim.RAdam, {"decoupled_weight_decay": True},
+     lambda i: {"lr": 0.02 * (i + 1), "weight_decay": 0.05}),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_one_multi_tensor_update_equals_torch_optim_with_a_group_per_tensor(case):
+    _, cls, fixed, floats = case
+    torch.manual_seed(0)
+    shapes = [(5, 3), (7,), (2, 2, 2), (4, 6)]
+    start = [torch.randn(s) for s in shapes]
+    ref = [torch.nn.Parameter(t.clone()) for t in start]
+    ours = [t.clone() for t in start]
+    reference = cls([{"params": [p], **fixed, **floats(i)} for i, p in enumerate(ref)], foreach=False, **fixed)
+    spec = describe_optimizer(cls, fixed)
+    lambdas = [lambda step, i=i: 1.0 / (1 + 0.3 * i * step) for i in range(len(shapes))]
+    schedule = torch.optim.lr_scheduler.LambdaLR(reference, lambdas)  # one per tensor; ours reads the live groups
+    states = [{} for _ in shapes]
+    assert len({virtual_key(spec, g, t) for g, t in zip(reference.param_groups, ours)}) == 1
+    for step in range(6):
+        grads = [torch.randn(s) for s in shapes]
+        for p, g in zip(ref, grads):
+            p.grad = g.clone()
+        multi_tensor_step(spec, ours, [g.clone() for g in grads], states, reference.param_groups)
+        reference.step()
+        schedule.step()
+        for i, (mine, theirs) in enumerate(zip(ours, ref)):
+            diff = (mine - theirs.detach()).abs().max().item()
+            assert diff <= 1e-6, f"{case[0]}: step {step}, tensor {i}: {diff:.3g}"
+            assert set(states[i]) == set(reference.state[theirs]), (states[i].keys(), reference.state[theirs].keys())
+    moved = min((p.detach() - s).abs().max().item() for p, s in zip(ref, start))
+    assert moved > 1e-3, f"{case[0]}: the reference moved only {moved}"
+
+
+def test_who_shares_a_virtual_group():
+    t = torch.zeros(3)
+    adam, adam_ams = describe_optimizer(torch.optim.Adam, {}), describe_optimizer(torch.optim.Adam, {"amsgrad": True})
+    group = {"lr": 0.1}
+    assert virtual_key(adam, group, t) == virtual_key(describe_optimizer(torch.optim.Adam, {"lr": 0.5}), group, t)
+    assert virtual_key(adam, group, t) != virtual_key(adam_ams, group, t)  # a fixed setting differs
+    assert virtual_key(adam, group, t) != virtual_key(adam, group, t.double())  # dtype differs
+    assert virtual_key(adam, {"foreach": True}, t) is None  # the user asked for torch's own path
+    assert virtual_key(describe_optimizer(torch.optim.ASGD, {}), group, t) is None  # no multi-tensor update
+    assert set(MULTI_TENSOR) == {torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                                 torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam}
