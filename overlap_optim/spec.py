@@ -88,6 +88,16 @@ class OptimizerSpec:
         """Equal for specs that differ only in float settings."""
         return (self.optimizer_class, tuple(sorted((k, repr(v)) for k, v in self.fixed.items())))
 
+    def make(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        """A live optimizer over ``params``: the class with the annotation's kwargs. Every optimizer
+        this library steps is made here."""
+        return self.optimizer_class(params, **self.kwargs)
+
+    def step(self, optimizer: torch.optim.Optimizer, tensor: torch.Tensor) -> None:
+        """``optimizer.step()`` for ``tensor``, its only parameter. Every step this library takes
+        goes through here."""
+        optimizer.step()
+
     def row_keys(self) -> set[str]:
         """State names that slice by rows (per element, or ``(rows, 1)``)."""
         return {name for name, entry in (self.state or {}).items() if entry.row_sliceable}
@@ -116,8 +126,8 @@ class OptimizerSpec:
         sizes = tuple(range(2, 2 + len(shape)))  # distinct, so a state size names its dimension
         stand_in = torch.ones(sizes, requires_grad=True)
         stand_in.grad = torch.ones_like(stand_in)
-        optimizer = self.optimizer_class([stand_in], **self.kwargs)
-        optimizer.step()
+        optimizer = self.make([stand_in])
+        self.step(optimizer, stand_in)
         dim_of = {size: i for i, size in enumerate(sizes)}
         return {
             name: tuple(shape[dim_of[s]] if s in dim_of else s for s in value.shape)

@@ -88,7 +88,7 @@ def live_optimizer(param: torch.Tensor) -> torch.optim.Optimizer | None:
     group: AnnotationGroup | None = getattr(param, "_overlap_group", None)
     if group is None or param.is_meta:
         return None
-    optimizer = group.optimizer_class([param], **group.optimizer_kwargs)
+    optimizer = group.spec.make([param])
     param._in_backward_optimizers = [optimizer]
     return optimizer
 
@@ -101,7 +101,7 @@ def step_param(param: torch.Tensor) -> None:
     check_live(param)
     _real_state(param, optimizer)
     optimizer.param_groups[0].update(param._overlap_group.hyperparameters())
-    optimizer.step()
+    param._overlap_group.spec.step(optimizer, param)
     param.grad = None
 
 
@@ -122,7 +122,7 @@ def init_placeholder_state(param: torch.Tensor) -> None:
     kept = param.detach().clone()
     param.grad = torch.zeros_like(param)
     optimizer.param_groups[0].update(param._overlap_group.hyperparameters())
-    optimizer.step()
+    param._overlap_group.spec.step(optimizer, param)
     with torch.no_grad():
         param.copy_(kept)
     param.grad = None
@@ -211,7 +211,7 @@ class RowOptimizer:
         self.param_group = group.param_group
         # A reusable optimizer whose param and state are swapped in at each step.
         self._placeholder = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        self._optimizer = group.optimizer_class([self._placeholder], **group.optimizer_kwargs)
+        self._optimizer = group.spec.make([self._placeholder])
         self._row_keys = group.spec.row_keys()
         self.row_state: dict[str, torch.Tensor] = {}
         self.table_state: dict[str, Any] = {}
@@ -227,10 +227,10 @@ class RowOptimizer:
             optimizer.state.clear()
             optimizer.state[rows] = state
         else:  # a new optimizer on the rows, so its own state init runs
-            optimizer = self.group.optimizer_class([rows], **self.group.optimizer_kwargs)
+            optimizer = self.group.spec.make([rows])
         optimizer.param_groups[0].update(self.group.hyperparameters())
         try:
-            optimizer.step()
+            self.group.spec.step(optimizer, rows)
         finally:
             stepped = optimizer.state.pop(rows, {})
             self._optimizer.param_groups[0]["params"] = [self._placeholder]
@@ -328,7 +328,7 @@ class DenseTableOptimizer:
         assert weight.dim() == 2, "a table is 2-D"
         self.weight, self.group, self.name = weight, group, name
         self.param_group = group.param_group
-        self._optimizer = group.optimizer_class([weight], **group.optimizer_kwargs)
+        self._optimizer = group.spec.make([weight])
         self._row_keys = group.spec.row_keys()
         self.placeholder_state = False
 
@@ -338,7 +338,7 @@ class DenseTableOptimizer:
         _, self.weight.grad, _ = self.prepare(ids, grads)
         self._optimizer.param_groups[0].update(self.group.hyperparameters())
         try:
-            self._optimizer.step()
+            self.group.spec.step(self._optimizer, self.weight)
         finally:
             self.weight.grad = None
 

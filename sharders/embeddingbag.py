@@ -369,5 +369,5 @@ def _attach(weight: torch.Tensor, group: AnnotationGroup) -> None:
     weight._optimizer_classes = [group.optimizer_class]
     weight._optimizer_kwargs = [dict(group.optimizer_kwargs)]
     weight._overlap_group = group
-    weight._in_backward_optimizers = [group.optimizer_class([weight], **group.optimizer_kwargs)]
+    weight._in_backward_optimizers = [group.spec.make([weight])]
     group.param_group["params"].append(weight)
