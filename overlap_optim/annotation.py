@@ -37,6 +37,7 @@ def apply_optimizer_in_backward(
     optimizer_kwargs: dict[str, Any] | None = None,
     *,
     replace: bool = False,
+    group_options: dict[str, Any] | None = None,
 ) -> AnnotationGroup:
     """Make ``optimizer_class(**optimizer_kwargs)`` update ``params`` during backward.
 
@@ -57,6 +58,11 @@ def apply_optimizer_in_backward(
         optimizer_kwargs: constructor kwargs, such as ``{"lr": 0.05}``.
         replace: re-annotate parameters that already carry a different
             optimizer instead of refusing.
+        group_options: settings the optimizer reads from its param group and
+            not from its constructor, such as pytorch-optimizer's GaLore
+            ``{"rank": 4, "update_proj_gap": 50, "scale": 0.25,
+            "projection_type": "std"}``; float ones may change at run time
+            like any float setting.
 
     Returns:
         The :class:`AnnotationGroup` of this call, one param group of
@@ -67,9 +73,10 @@ def apply_optimizer_in_backward(
             not a constructor argument, or a param is not a tensor.
         ValueError: the optimizer rejects a value, it cannot step without a
             closure, ``params`` is empty or holds a tensor that does not
-            require grad, or a param is annotated differently already.
-        NotImplementedError: the optimizer's ``step()`` keeps state in its
-            param group (see :mod:`overlap_optim.spec`).
+            require grad, a param is annotated differently already, or a
+            group option is a constructor argument.
+        NotImplementedError: the optimizer's ``step()`` keeps a name both in
+            its param group and per parameter (see :mod:`overlap_optim.spec`).
 
     Example:
         >>> apply_optimizer_in_backward(torch.optim.Adam, model.dense.parameters(), {"lr": 1e-3})
@@ -78,8 +85,9 @@ def apply_optimizer_in_backward(
     kwargs = dict(optimizer_kwargs or {})
     _check_class(optimizer_class)
     _check_kwarg_names(optimizer_class, kwargs)
+    options = _check_group_options(optimizer_class, group_options)
     params = _check_params(params)
-    spec = describe_optimizer(optimizer_class, kwargs, {p.dim(): p.dtype for p in params})
+    spec = describe_optimizer(optimizer_class, kwargs, {p.dim(): p.dtype for p in params}, options)
     _check_not_annotated(params, optimizer_class, kwargs, replace)
 
     group = AnnotationGroup(spec)
@@ -228,6 +236,20 @@ def _check_kwarg_names(optimizer_class: type[torch.optim.Optimizer], kwargs: dic
             f"{optimizer_class.__name__} does not take the kwarg(s) {unknown}; "
             f"it accepts {accepted}"
         )
+
+
+def _check_group_options(optimizer_class: type[torch.optim.Optimizer], options: Any) -> dict[str, Any]:
+    if options is None:
+        return {}
+    if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+        raise TypeError(f"group_options must be a dict of setting names to values, got {options!r}")
+    constructor = sorted(set(options) & {"params", *_accepted_kwargs(optimizer_class)})
+    if constructor:
+        raise ValueError(
+            f"group_options {constructor} are {optimizer_class.__name__} constructor arguments: pass them "
+            "in optimizer_kwargs"
+        )
+    return dict(options)
 
 
 def _check_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:

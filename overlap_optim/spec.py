@@ -16,8 +16,14 @@ small stand-ins (probes), never by a list of known classes. So a third-party
 - ``row_separable`` / ``column_separable``: whether stepping a matrix in row
   (column) pieces, each with its own optimizer, gives the whole-matrix result.
   Measured: three steps on a random matrix, whole and in two pieces;
-- ``group_state``: anything ``step()`` writes into its param group (some
-  third-party optimizers count steps there);
+- ``group_state``: anything ``step()`` writes into its param group
+  (pytorch-optimizer's LAMB, LARS and GaLore count steps there). It is kept per
+  tensor, in the tensor's state under the same name (:meth:`OptimizerSpec.step`
+  moves it in and out of the group), so it is checkpointed and resharded as the
+  rest of the state is, and a table's copy never lags;
+- ``group_options``: settings the optimizer reads from its param group and not
+  from its constructor (GaLore's ``rank``, ``update_proj_gap``...), set on the
+  group of every optimizer :meth:`OptimizerSpec.make` builds;
 - ``share_key``: groups with equal keys differ only in floats and may share
   one update.
 
@@ -30,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
+import math
 from typing import Any
 
 import torch
@@ -39,6 +46,8 @@ __all__ = ["AnnotationGroup", "OptimizerSpec", "StateEntry", "describe_optimizer
 # The 2-D probe: distinct sizes, so a state tensor's shape says what it follows; even, to split in two.
 _ROWS, _COLS = 6, 4
 _PROBE_STEPS = 3
+_STAND_IN_SIZES = (17, 19, 23, 29, 31, 37, 41, 43)
+_EXACT_STAND_IN = 1 << 16  # elements: up to this, state shapes are probed on the real shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +87,7 @@ class OptimizerSpec:
     row_separable: bool
     column_separable: bool
     group_state: tuple[str, ...]
+    group_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -89,14 +99,25 @@ class OptimizerSpec:
         return (self.optimizer_class, tuple(sorted((k, repr(v)) for k, v in self.fixed.items())))
 
     def make(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        """A live optimizer over ``params``: the class with the annotation's kwargs. Every optimizer
-        this library steps is made here."""
-        return self.optimizer_class(params, **self.kwargs)
+        """A live optimizer over ``params``: the class with the annotation's kwargs and group
+        options. Every optimizer this library steps is made here."""
+        return _make(self.optimizer_class, self.kwargs, self.group_options, params)
 
     def step(self, optimizer: torch.optim.Optimizer, tensor: torch.Tensor) -> None:
-        """``optimizer.step()`` for ``tensor``, its only parameter. Every step this library takes
-        goes through here."""
+        """``optimizer.step()`` for ``tensor``, its only parameter, with the group state kept in
+        ``optimizer.state[tensor]``: moved into the param group before, back after. Every step
+        this library takes goes through here."""
+        group, state = optimizer.param_groups[0], optimizer.state[tensor]
+        for key in self.group_state:
+            if key in state:
+                group[key] = state[key]
+            else:  # no state yet: the optimizer starts its count afresh
+                group.pop(key, None)
         optimizer.step()
+        state = optimizer.state[tensor]
+        for key in self.group_state:
+            if key in group:
+                state[key] = group[key]
 
     def row_keys(self) -> set[str]:
         """State names that slice by rows (per element, or ``(rows, 1)``)."""
@@ -123,7 +144,14 @@ class OptimizerSpec:
 
     def state_shapes(self, shape: torch.Size | tuple[int, ...]) -> dict[str, Any]:
         """``name -> shape tuple`` (tensors) or the plain value, for a parameter of ``shape``."""
-        sizes = tuple(range(2, 2 + len(shape)))  # distinct, so a state size names its dimension
+        # Distinct sizes, so a state size names its dimension, ordered as the real ones are (a
+        # low-rank projection, GaLore's, picks its side by which dimension is larger) and above
+        # the small sizes settings use (ranks).
+        order = sorted(range(len(shape)), key=lambda d: (shape[d], d))
+        sizes = [0] * len(shape)
+        for rank, d in enumerate(order):
+            sizes[d] = _STAND_IN_SIZES[rank]
+        sizes = tuple(shape) if math.prod(shape) <= _EXACT_STAND_IN else tuple(sizes)
         stand_in = torch.ones(sizes, requires_grad=True)
         stand_in.grad = torch.ones_like(stand_in)
         optimizer = self.make([stand_in])
@@ -189,8 +217,10 @@ def describe_optimizer(
     optimizer_class: type[torch.optim.Optimizer],
     kwargs: dict[str, Any],
     dtypes: dict[int, torch.dtype] | None = None,
+    group_options: dict[str, Any] | None = None,
 ) -> OptimizerSpec:
-    """Probe ``optimizer_class(**kwargs)`` once and describe it.
+    """Probe ``optimizer_class(**kwargs)`` (with ``group_options`` set on its param group) once
+    and describe it.
 
     It builds and steps the optimizer on a stand-in of each rank in ``dtypes``
     (``ndim -> dtype`` of the parameters to annotate; default: one 2-D fp32
@@ -200,21 +230,19 @@ def describe_optimizer(
     Raises:
         TypeError: the constructor fails on the kwargs.
         ValueError: the optimizer rejects a value, or cannot step a stand-in.
-        NotImplementedError: ``step()`` writes state into its param group.
+        NotImplementedError: ``step()`` writes into its param group a name it also
+            keeps per parameter (the two could not be kept apart).
     """
-    kwargs = dict(kwargs)
+    kwargs, options = dict(kwargs), dict(group_options or {})
     defaults, group_state = {}, ()
     for ndim, dtype in (dtypes or {2: torch.float32}).items():
-        defaults, group_state = _dry_run(optimizer_class, kwargs, ndim, dtype)
-    if group_state:
-        raise NotImplementedError(
-            f"{optimizer_class.__name__} keeps {list(group_state)} in its param group, outside the "
-            "per-parameter state: overlap_optim cannot yet keep that per parameter or checkpoint it, so "
-            "it would silently restart or lag. Use an optimizer that keeps its state in optimizer.state"
-        )
-    floats = frozenset(k for k, v in defaults.items() if _is_float_setting(v))
-    state = _probe_state(optimizer_class, kwargs)
-    separable = [state is not None and _separable(optimizer_class, kwargs, axis) for axis in (0, 1)]
+        defaults, group_state = _dry_run(optimizer_class, kwargs, options, ndim, dtype)
+    defaults = {**defaults, **options}
+    floats = frozenset(
+        k for k, v in defaults.items() if (isinstance(v, float) if k in options else _is_float_setting(v))
+    )
+    state = _probe_state(optimizer_class, kwargs, options, group_state)
+    separable = [state is not None and _separable(optimizer_class, kwargs, options, axis) for axis in (0, 1)]
     layouts = {e.layout for e in (state or {}).values()}
     return OptimizerSpec(
         optimizer_class=optimizer_class,
@@ -226,17 +254,24 @@ def describe_optimizer(
         row_separable=separable[0] and all(e.row_sliceable or e.layout == "scalar" for e in (state or {}).values()),
         column_separable=separable[1] and layouts <= {"element", "scalar"},
         group_state=group_state,
+        group_options=options,
     )
 
 
+def _make(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], options: dict[str, Any], params: list):
+    optimizer = cls(params, **kwargs)
+    optimizer.param_groups[0].update(options)
+    return optimizer
+
+
 def _dry_run(
-    cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], ndim: int, dtype: torch.dtype
+    cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], options: dict[str, Any], ndim: int, dtype: torch.dtype
 ) -> tuple[dict[str, Any], tuple[str, ...]]:
     """(completed defaults, names ``step()`` wrote into the param group), from one step on a stand-in."""
     stand_in = torch.ones((2,) * ndim, dtype=dtype, requires_grad=True)
     stand_in.grad = torch.ones_like(stand_in)
     try:
-        optimizer = cls([stand_in], **kwargs)
+        optimizer = _make(cls, kwargs, options, [stand_in])
     except ValueError as err:
         raise ValueError(f"{cls.__name__}({kwargs}) rejected a value: {err}") from None
     except TypeError as err:
@@ -251,19 +286,32 @@ def _dry_run(
         ) from None
     after = optimizer.param_groups[0]
     written = tuple(k for k in after if k != "params" and (k not in before or after[k] is not before[k]))
+    clash = sorted(set(written) & set(optimizer.state[stand_in]))
+    if clash:
+        raise NotImplementedError(
+            f"{cls.__name__} keeps {clash} both in its param group and per parameter; overlap_optim keeps "
+            "group state per parameter under the same name, so it cannot hold both"
+        )
     return dict(optimizer.defaults), written
 
 
-def _probe_state(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> dict[str, StateEntry] | None:
-    """The state layout of a ``(_ROWS, _COLS)`` parameter, from a step on a zero gradient at zero."""
+def _probe_state(
+    cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], options: dict[str, Any], group_state: tuple[str, ...]
+) -> dict[str, StateEntry] | None:
+    """The state layout of a ``(_ROWS, _COLS)`` parameter, from a step on a zero gradient at zero;
+    group state counts as per-tensor scalars (see :meth:`OptimizerSpec.step`)."""
     stand_in = torch.zeros(_ROWS, _COLS, requires_grad=True)
     stand_in.grad = torch.zeros_like(stand_in)
     try:
-        optimizer = cls([stand_in], **kwargs)
+        optimizer = _make(cls, kwargs, options, [stand_in])
         optimizer.step()
     except Exception:  # it cannot step a matrix: no table may use it
         return None
-    return {name: _entry(value) for name, value in optimizer.state[stand_in].items()}
+    group = optimizer.param_groups[0]
+    return {
+        **{name: _entry(value) for name, value in optimizer.state[stand_in].items()},
+        **{name: StateEntry("scalar", fresh=group[name]) for name in group_state},
+    }
 
 
 def _entry(value: Any) -> StateEntry:
@@ -279,7 +327,7 @@ def _entry(value: Any) -> StateEntry:
     return StateEntry("tensor", shape)
 
 
-def _separable(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], axis: int) -> bool:
+def _separable(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], options: dict[str, Any], axis: int) -> bool:
     """Whether stepping two halves (split along ``axis``), each with its own optimizer, gives
     the whole matrix's result: weights within 1e-7 of the update, and equal per-tensor scalars."""
     if "lr" in kwargs:  # separability must not hinge on a small (or zero) starting lr
@@ -288,9 +336,10 @@ def _separable(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], axis: i
     start = torch.randn(_ROWS, _COLS, generator=generator, dtype=torch.float64)
     grads = [torch.randn(_ROWS, _COLS, generator=generator, dtype=torch.float64) for _ in range(_PROBE_STEPS)]
     try:
-        whole, whole_scalars = _run(cls, kwargs, start, grads)
+        whole, whole_scalars = _run(cls, kwargs, options, start, grads)
         halves = [
-            _run(cls, kwargs, start.chunk(2, axis)[i], [g.chunk(2, axis)[i] for g in grads]) for i in range(2)
+            _run(cls, kwargs, options, start.chunk(2, axis)[i], [g.chunk(2, axis)[i] for g in grads])
+            for i in range(2)
         ]
     except Exception:  # it cannot step the pieces (or float64): treat as not separable
         return False
@@ -301,9 +350,9 @@ def _separable(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], axis: i
     return all(_same(h[1], whole_scalars) for h in halves)
 
 
-def _run(cls, kwargs, start, grads) -> tuple[torch.Tensor, dict[str, Any]]:
+def _run(cls, kwargs, options, start, grads) -> tuple[torch.Tensor, dict[str, Any]]:
     param = start.clone().requires_grad_(True)
-    optimizer = cls([param], **kwargs)
+    optimizer = _make(cls, kwargs, options, [param])
     for grad in grads:
         param.grad = grad.clone()
         optimizer.step()

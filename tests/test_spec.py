@@ -62,8 +62,21 @@ def test_float_settings_may_move_and_the_rest_are_fixed():
 
 
 @pytest.mark.parametrize("cls", [Lamb, LARS])
-def test_optimizers_that_keep_state_in_their_param_group_are_refused(cls):
-    param = torch.nn.Parameter(torch.ones(3, 2))
-    with pytest.raises(NotImplementedError, match=rf"{cls.__name__} keeps \['step'\] in its param group"):
-        apply_optimizer_in_backward(cls, [param], {"lr": 0.1})
-    assert not hasattr(param, "_overlap_group")
+def test_state_kept_in_the_param_group_is_modelled_as_per_tensor_scalar_state(cls):
+    spec = describe_optimizer(cls, {"lr": 0.1})
+    assert spec.group_state == ("step",)
+    assert spec.state["step"].layout == "scalar"  # kept per tensor, checkpointed with the rest
+    assert not spec.row_separable and not spec.column_separable  # a trust ratio reads the whole tensor
+
+
+def test_a_name_kept_both_in_the_group_and_per_parameter_is_refused():
+    class Both(torch.optim.SGD):
+        def step(self, closure=None):
+            for group in self.param_groups:
+                group["step"] = group.get("step", 0) + 1
+                for p in group["params"]:
+                    self.state[p]["step"] = group["step"]
+            return super().step(closure)
+
+    with pytest.raises(NotImplementedError, match=r"Both keeps \['step'\] both in its param group and per parameter"):
+        describe_optimizer(Both, {"lr": 0.1})
