@@ -80,6 +80,8 @@ def _runs_as(decision: TableDecision) -> str:
         return f"fused {decision.choice.fbgemm_kwargs['optimizer'].name}"
     if decision.kernel == "data_parallel_hook":
         return "torch.optim after all-reduce (DDP hook)"
+    if decision.cross_shard:
+        return "fallback: whole-table statistics across shards (1 all-reduce per step)"
     if decision.semantics == "dense":
         return "fallback: torch.optim on the whole table"
     return "fallback: torch.optim on touched rows"

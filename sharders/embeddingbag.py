@@ -53,8 +53,10 @@ from torchrec.optim.fused import EmptyFusedOptimizer
 from overlap_optim.spec import AnnotationGroup, describe_optimizer, needs_closure
 from overlap_optim.comm_hooks import OptimizerHookState
 from overlap_optim.ddp import install_optimizer_hook
+from overlap_optim.update import table_optimizer
 from sharders.fallback import FallbackEmbeddingBag
 from sharders.fbgemm import install_fused_kernel_hooks
+from sharders.layerwise import CrossShardTable, Geometry, LayerwiseRound, cross_shard_class, install_round
 from sharders.optimizer_table import COLUMN_SPLITTING, ROW_SPLITTING, KernelChoice, choose_kernel, semantics_of
 from sharders.table_state import ShardedTables
 
@@ -75,6 +77,7 @@ class TableDecision:
     group: AnnotationGroup | None  # None: no annotation, the gradient goes back to the user
     choice: KernelChoice
     dense_requested: bool = False  # named in dense_tables
+    cross_shard: bool = False  # split, layer-wise: statistics across shards (sharders.layerwise)
 
     @property
     def semantics(self) -> str:
@@ -156,7 +159,7 @@ class EmbeddingBagCollectionSharder(_TorchRecSharder):
         params = {name: _with_kernel(sharding, decisions.get(name)) for name, sharding in params.items()}
         with _translated_annotations(module, decisions):
             sharded = super().shard(module, params, env, device, module_fqn)
-        _install_fallback_kernels(sharded, decisions)
+        _install_fallback_kernels(sharded, decisions, env)
         _mark_updated_in_backward(sharded, decisions)
         fused = [k for lookup, k in kernels_of(sharded) if _is_fused(lookup, k)]
         install_fused_kernel_hooks(fused, {n: d.group for n, d in decisions.items()}, device.type)
@@ -221,19 +224,23 @@ def _decide(
         choice = KernelChoice(False, reason="pinned to the fallback (fallback_tables)")
     elif choice.fused and sharding.compute_kernel == EmbeddingComputeKernel.DENSE.value:
         choice = KernelChoice(False, reason="the plan gives it compute kernel 'dense'")
-    _check_separable(table, group, sharding)
-    return TableDecision(table, sharding.sharding_type, group, choice, dense_requested=table in dense)
+    cross_shard = _check_separable(table, group, sharding)
+    return TableDecision(table, sharding.sharding_type, group, choice, dense_requested=table in dense,
+                         cross_shard=cross_shard)
 
 
-def _check_separable(table: str, group: AnnotationGroup, sharding: ParameterSharding) -> None:
+def _check_separable(table: str, group: AnnotationGroup, sharding: ParameterSharding) -> bool:
     """Refuse a table split along an axis its optimizer cannot be split by (its update reads
     the whole matrix: Adafactor's factored moments, Muon's orthogonalisation, a per-row
-    accumulator split into column shards)."""
+    accumulator split into column shards), unless :mod:`sharders.layerwise` has a cross-shard
+    form of it: then True, the table's statistics travel in the module's round."""
     shards = sharding.sharding_spec.shards if sharding.sharding_spec is not None else []
     spec = group.spec
     for axis, what, separable in ((0, "row", spec.row_separable), (1, "column", spec.column_separable)):
         if separable or len({s.shard_offsets[axis] for s in shards}) <= 1:
             continue
+        if cross_shard_class(spec.optimizer_class) is not None:
+            return True
         works = ["table_wise", "data_parallel"]
         works += list(ROW_SPLITTING) if spec.row_separable else []
         works += list(COLUMN_SPLITTING) if spec.column_separable else []
@@ -242,6 +249,7 @@ def _check_separable(table: str, group: AnnotationGroup, sharding: ParameterShar
             f"apart differs from stepping the whole table), and {sharding.sharding_type} sharding splits "
             f"this table into {what} shards; use {', '.join(works)} for this table"
         )
+    return False
 
 
 def _with_kernel(sharding: ParameterSharding, decision: TableDecision | None) -> ParameterSharding:
@@ -307,7 +315,12 @@ def kernels_of(sharded: ShardedEmbeddingBagCollection) -> Iterator[tuple[nn.Modu
             yield lookup, kernel
 
 
-def _install_fallback_kernels(sharded: ShardedEmbeddingBagCollection, decisions: dict[str, TableDecision]) -> None:
+def _install_fallback_kernels(
+    sharded: ShardedEmbeddingBagCollection, decisions: dict[str, TableDecision], env: ShardingEnv
+) -> None:
+    cross = [(name, cross_shard_class(d.group.spec.optimizer_class).slot_size) for name, d in decisions.items()
+             if d.cross_shard]  # the same order on every rank
+    round_ = LayerwiseRound(cross, env.process_group) if cross else None
     for lookup, kernel in kernels_of(sharded):
         if isinstance(lookup, DistributedDataParallel) or kernel.config.compute_kernel != EmbeddingComputeKernel.DENSE:
             continue
@@ -315,12 +328,24 @@ def _install_fallback_kernels(sharded: ShardedEmbeddingBagCollection, decisions:
         if any(d.group is None for d in tables.values()):  # unannotated tables (a kernel of their own): the user's
             assert all(d.group is None for d in tables.values()), tables
             continue
-        semantics = {name: (d.group, d.semantics) for name, d in tables.items()}
-        optimizer = FallbackEmbeddingBag.adopt(kernel, semantics).fallback_optimizer
+        makers = {t.name: _table_maker(t, decisions[t.name], round_) for t in kernel.config.embedding_tables}
+        optimizer = FallbackEmbeddingBag.adopt(kernel, makers).fallback_optimizer
         # TorchRec combined its kernels' fused optimizers before we saw them; add ours,
         # keyed as TorchRec keys the fused ones, so DMP's fused_optimizer covers them too.
         optimizer.params = {f"embedding_bags.{k}": v for k, v in optimizer.params.items()}
         sharded._optim._optims.append(("", optimizer))
+    if round_ is not None:
+        install_round([k for lookup, k in kernels_of(sharded) if not isinstance(lookup, DistributedDataParallel)], round_)
+        sharded.overlap_round = round_
+
+
+def _table_maker(table: Any, decision: TableDecision, round_: LayerwiseRound | None):
+    """``weight -> its table optimizer``, for one table shard of a fallback kernel."""
+    if not decision.cross_shard:
+        return lambda weight: table_optimizer(weight, decision.group, decision.table, decision.semantics)
+    implementation = cross_shard_class(decision.group.spec.optimizer_class)
+    geometry = Geometry((table.num_embeddings, table.embedding_dim), tuple(table.local_metadata.shard_offsets))
+    return lambda weight: implementation(weight, decision.group, decision.table, geometry, round_)
 
 
 def _mark_updated_in_backward(sharded: ShardedEmbeddingBagCollection, decisions: dict[str, TableDecision]) -> None:

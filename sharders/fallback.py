@@ -14,7 +14,7 @@ touched rows), or, for an optimizer that is not row-separable, its
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -23,8 +23,7 @@ from torchrec.distributed.batched_embedding_kernel import BatchedDenseEmbeddingB
 from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from overlap_optim.spec import AnnotationGroup
-from overlap_optim.update import TableOptimizer, step_tables, table_optimizer
+from overlap_optim.update import TableOptimizer, step_tables
 
 __all__ = ["FallbackEmbeddingBag", "FallbackOptimizer"]
 
@@ -40,7 +39,7 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
 
     @classmethod
     def adopt(
-        cls, dense: BatchedDenseEmbeddingBag, tables: dict[str, tuple[AnnotationGroup, str]]
+        cls, dense: BatchedDenseEmbeddingBag, tables: dict[str, Callable[[torch.Tensor], TableOptimizer]]
     ) -> FallbackEmbeddingBag:
         """Turn ``dense`` into a fallback kernel in place and return it.
 
@@ -51,16 +50,17 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
 
         Args:
             dense: a kernel built for compute kernel "dense".
-            tables: table name -> (its annotation group, "lazy" or "dense" semantics).
+            tables: table name -> a function from the table's (shard's) weight to its table
+                optimizer (:func:`~overlap_optim.update.table_optimizer`, or a cross-shard one).
         """
         assert isinstance(dense, BatchedDenseEmbeddingBag)
         dense.__class__ = cls
         weights = dense.emb_module.split_embedding_weights()
         names = [t.name for t in dense.config.embedding_tables]
         params = dict(dense.named_parameters_by_table())
+        dense.row_optimizers = [tables[n](w) for w, n in zip(weights, names)]
         # The annotation groups' own dicts: an LR schedule reaches the next backward.
-        param_groups = list({id(tables[n][0]): tables[n][0].param_group for n in names}.values())
-        dense.row_optimizers = [table_optimizer(w, tables[n][0], n, tables[n][1]) for w, n in zip(weights, names)]
+        param_groups = list({id(r.group): r.group.param_group for r in dense.row_optimizers}.values())
         dense.fallback_optimizer = FallbackOptimizer(
             {f"{n}.weight": params[n] for n in names}, dense.row_optimizers, param_groups
         )

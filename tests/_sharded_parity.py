@@ -150,7 +150,7 @@ def matrix(rank, world_size, cases, sharding_types=SHARDING_TYPES, partial=()):
     only some rows."""
     out = {"moved": {}, "refused": {}, "partial": {}}
     for sharding_type in sharding_types:
-        kept = [c for c in cases if _separable_for(c, sharding_type)]
+        kept = [c for c in cases if _accepted_on(c, sharding_type)]
         names = [c[0] for c in kept]
         out["moved"][sharding_type] = train_and_compare(
             rank, world_size, names, [(c[1], c[2]) for c in kept], sharding_type
@@ -158,7 +158,7 @@ def matrix(rank, world_size, cases, sharding_types=SHARDING_TYPES, partial=()):
         for case in cases:
             if case not in kept:
                 out["refused"][f"{sharding_type}/{case[0]}"] = _refusal(case, sharding_type, world_size)
-    dense = [c for c in cases if not _separable_for(c, "row_wise")]  # lazy ones differ on partial batches
+    dense = [c for c in cases if not _row_separable(c)]  # lazy ones differ on partial batches
     for sharding_type in partial:
         out["partial"][sharding_type] = train_and_compare(
             rank, world_size, [c[0] for c in dense], [(c[1], c[2]) for c in dense], sharding_type, cover=False, steps=4
@@ -166,13 +166,23 @@ def matrix(rank, world_size, cases, sharding_types=SHARDING_TYPES, partial=()):
     return out
 
 
-def _separable_for(case, sharding_type) -> bool:
+def _accepted_on(case, sharding_type) -> bool:
+    """Separable along the axis ``sharding_type`` splits, or with a cross-shard form."""
     from overlap_optim.spec import describe_optimizer
+    from sharders.layerwise import cross_shard_class
 
     spec = describe_optimizer(case[1], case[2])
+    if cross_shard_class(case[1]) is not None:
+        return True
     if sharding_type in ("row_wise", "table_row_wise"):
         return spec.row_separable
     return spec.column_separable if sharding_type in COLUMN_SPLITTING else True
+
+
+def _row_separable(case) -> bool:
+    from overlap_optim.spec import describe_optimizer
+
+    return describe_optimizer(case[1], case[2]).row_separable
 
 
 def _refusal(case, sharding_type, world_size) -> str:

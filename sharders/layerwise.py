@@ -1,0 +1,256 @@
+"""Layer-wise optimizers on split tables: whole-table statistics across shards, one all-reduce per step.
+
+LAMB and LARS scale a table's update by a trust ratio of whole-table norms. On a
+table split into row or column shards, no shard can compute that ratio alone,
+so the optimizer model finds these optimizers not separable and the sharder
+would refuse the split. For the classes in :data:`CROSS_SHARD` it does not:
+
+1. In backward, each shard runs the first half of the update on its own rows
+   or columns (moments, weight decay, the raw update) and writes the partial
+   sums the second half needs (``||w||^2``, ``||u||^2`` ...) into its table's
+   slot of one flat buffer.
+2. When backward ends, **one all-reduce** sums that buffer across ranks: the
+   slots of every such table of the module travel together, so one table or
+   forty cost the same one collective per step.
+3. Each shard finishes its update with the whole-table statistics.
+
+The result is the unsharded optimizer's, with dense semantics (every row of
+the table steps, untouched rows on a zero gradient), as ``torch.optim`` on a
+dense ``nn.EmbeddingBag``.
+
+Every rank takes part in the round in the same order, a rank that holds no
+shard of such a table or whose shards saw no rows included: each kernel of
+the module carries an anchor whose backward arms the round (an autograd-engine
+callback at the end of backward), and a rank contributes zeros for what it
+does not hold.
+
+:data:`CROSS_SHARD` is a plain dict ``optimizer class -> implementation``.
+Classes from optional packages (pytorch-optimizer) are added only when the
+user's code has imported that package; the core imports none of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from overlap_optim.spec import AnnotationGroup
+from overlap_optim.update import DenseTableOptimizer
+
+__all__ = ["CROSS_SHARD", "cross_shard_class", "Geometry", "CrossShardTable", "LayerwiseRound", "install_round"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Where one local shard sits in its table."""
+
+    table_shape: tuple[int, int]
+    offsets: tuple[int, int]
+
+
+class CrossShardTable(DenseTableOptimizer):
+    """A split table's layer-wise optimizer, one local shard of it (dense semantics).
+
+    Subclasses give the optimizer's math in two halves: :meth:`partials` (local,
+    in backward) and :meth:`finish` (with the summed statistics). State is kept
+    as :class:`DenseTableOptimizer` keeps it, under the reference optimizer's
+    names, so checkpoints see no difference.
+    """
+
+    slot_size = 2  # floats of whole-table statistics per step
+
+    def __init__(self, weight, group: AnnotationGroup, name: str, geometry: Geometry, round_: LayerwiseRound) -> None:
+        super().__init__(weight, group, name)
+        self.geometry, self.round = geometry, round_
+        self._grad: torch.Tensor | None = None
+        self._check_settings()
+
+    @torch.no_grad()
+    def step(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """First half now; the round finishes it when backward ends."""
+        _, grad, state = self.prepare(ids, grads)
+        if self.group.spec.kwargs.get("maximize"):
+            grad = -grad
+        hypers = self.group.param_group
+        self.round.add(self, self.partials(grad, state, hypers))
+
+    def init_state(self) -> None:
+        """Placeholder state (zeros, no step taken) to load a checkpoint over."""
+        if self.state:
+            return
+        self._fresh_state(self._optimizer.state[self.weight])
+        self.placeholder_state = True
+
+    def _check_settings(self) -> None:
+        """Refuse settings whose cross-shard form is not built, naming the table."""
+
+    def _fresh_state(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def partials(self, grad: torch.Tensor, state: dict[str, Any], hypers: dict[str, Any]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def finish(self, stats: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _refuse(self, what: str) -> None:
+        raise ValueError(f"table {self.name!r}: {self.group.spec.name} with {what} has no cross-shard form yet; "
+                         "use table_wise or data_parallel for this table")
+
+
+class LambTable(CrossShardTable):
+    """pytorch-optimizer's ``Lamb``: Adam moments, then the trust ratio ``||w|| / ||u||``."""
+
+    def _check_settings(self) -> None:
+        h, kwargs = self.group.param_group, self.group.spec.kwargs
+        for key in ("rectify", "adanorm", "pre_norm"):
+            if h.get(key) or kwargs.get(key):
+                self._refuse(f"{key}=True")
+
+    def _fresh_state(self, state):
+        state["exp_avg"] = torch.zeros_like(self.weight)
+        state["exp_avg_sq"] = torch.zeros_like(self.weight)
+
+    def partials(self, grad, state, h):
+        if "exp_avg" not in state:
+            self._fresh_state(state)
+        state["step"] = state.get("step", 0) + 1
+        beta1, beta2 = h["betas"]
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1 if h["grad_averaging"] else 1.0)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        if h["weight_decay"] != 0 and h["weight_decouple"]:
+            self.weight.mul_(1.0 - h["weight_decay"] * (1.0 if h["fixed_decay"] else h["lr"]))
+        update = exp_avg_sq.sqrt().add_(h["eps"])
+        torch.div(exp_avg, update, out=update)
+        if not h["weight_decouple"] and h["weight_decay"] > 0:
+            update.add_(self.weight, alpha=h["weight_decay"])
+        self._grad = update
+        return torch.stack([self.weight.square().sum(), update.square().sum()]).double()
+
+    def finish(self, stats):
+        h, state = self.group.param_group, self._optimizer.state[self.weight]
+        weight_norm = stats[0].sqrt().clamp(min=0, max=10.0).to(self.weight.dtype)  # Lamb.clamp
+        update_norm = stats[1].sqrt().to(self.weight.dtype)
+        trust = 1.0 if weight_norm == 0 or update_norm == 0 else weight_norm / (update_norm + h["eps"])
+        state["weight_norm"], state["adam_norm"], state["trust_ratio"] = weight_norm, update_norm, trust
+        if h["adam"]:
+            trust = 1.0
+        beta1 = h["betas"][0]
+        step_size = h["lr"] if h.get("adam_debias") else h["lr"] / (1.0 - beta1 ** state["step"])
+        self.weight.add_(self._grad, alpha=-step_size * float(trust))
+        self._grad = None
+
+
+class LarsTable(CrossShardTable):
+    """pytorch-optimizer's ``LARS``: the trust ratio ``c ||w|| / (||g|| + wd ||w||)``, then momentum."""
+
+    def _fresh_state(self, state):
+        if self.group.param_group["momentum"] > 0:
+            state["momentum_buffer"] = torch.zeros_like(self.weight)
+
+    def partials(self, grad, state, h):
+        if not state:
+            self._fresh_state(state)
+        state["step"] = state.get("step", 0) + 1
+        self._grad = grad
+        return torch.stack([self.weight.square().sum(), grad.square().sum()]).double()
+
+    def finish(self, stats):
+        h, state = self.group.param_group, self._optimizer.state[self.weight]
+        param_norm, update_norm = stats[0].sqrt().float(), stats[1].sqrt().float()
+        denominator = update_norm + h["weight_decay"] * param_norm
+        trust = h["trust_coefficient"] * param_norm / denominator if param_norm > 0 and denominator > 0 else 1.0
+        grad = self._grad.add(self.weight, alpha=h["weight_decay"]).mul_(trust)
+        if h["momentum"] > 0:
+            buffer = state["momentum_buffer"]
+            buffer.mul_(h["momentum"]).add_(grad, alpha=1.0 - h["dampening"])
+            grad = grad.add_(buffer, alpha=h["momentum"]) if h["nesterov"] else buffer.clone()
+        self.weight.add_(grad, alpha=-h["lr"])
+        self._grad = None
+
+
+# optimizer class -> its cross-shard implementation. Optional packages join once imported.
+CROSS_SHARD: dict[type, type[CrossShardTable]] = {}
+_OPTIONAL = {("pytorch_optimizer", "Lamb"): LambTable, ("pytorch_optimizer", "LARS"): LarsTable}
+
+
+def cross_shard_class(optimizer_class: type) -> type[CrossShardTable] | None:
+    """The implementation for ``optimizer_class``, or None: it stays refused on split tables."""
+    for (package, name), implementation in _OPTIONAL.items():
+        module = sys.modules.get(package)
+        if module is not None and getattr(module, name, None) not in (None, *CROSS_SHARD):
+            CROSS_SHARD[getattr(module, name)] = implementation
+    return CROSS_SHARD.get(optimizer_class)
+
+
+class LayerwiseRound:
+    """The one all-reduce per step of a sharded module's split layer-wise tables.
+
+    ``slots``: ``(table name, size)`` of every such table of the module, in the
+    same order on every rank.
+    """
+
+    def __init__(self, slots: list[tuple[str, int]], process_group: dist.ProcessGroup | None) -> None:
+        self.offsets: dict[str, tuple[int, int]] = {}
+        position = 0
+        for name, size in slots:
+            self.offsets[name] = (position, size)
+            position += size
+        self.size, self.process_group = position, process_group
+        self.pending: list[tuple[CrossShardTable, torch.Tensor]] = []
+        self.armed = False
+        self.rounds = 0
+
+    def add(self, table: CrossShardTable, partials: torch.Tensor) -> None:
+        self.pending.append((table, partials))
+
+    def arm(self) -> None:
+        """In backward, on every rank: run the round when backward ends (once)."""
+        if not self.armed:
+            Variable._execution_engine.queue_callback(self.run)
+            self.armed = True
+
+    @torch.no_grad()
+    def run(self) -> None:
+        pending, self.pending, self.armed = self.pending, [], False
+        buffer = torch.zeros(self.size, dtype=torch.float64)
+        for table, partials in pending:
+            start, size = self.offsets[table.name]
+            buffer[start : start + size] += partials
+        dist.all_reduce(buffer, group=self.process_group)
+        self.rounds += 1
+        for table, _ in pending:
+            start, size = self.offsets[table.name]
+            table.finish(buffer[start : start + size])
+
+
+class _Arm(torch.autograd.Function):
+    """Identity on a kernel's output; its backward arms the module's round."""
+
+    @staticmethod
+    def forward(ctx, output, round_):
+        ctx.round = round_
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.round.arm()
+        return grad, None
+
+
+def install_round(kernels: list[nn.Module], round_: LayerwiseRound) -> None:
+    """Anchor the round on every kernel of the module that this rank runs."""
+    if not kernels:
+        raise ValueError(
+            "this rank runs no kernel of a module whose split tables use a layer-wise optimizer, so it "
+            "could not take part in their statistics round; give every rank at least one table of that module"
+        )
+    for kernel in kernels:
+        kernel.register_forward_hook(lambda module, args, output: _Arm.apply(output, round_))
