@@ -159,7 +159,8 @@ class EmbeddingBagCollectionSharder(_TorchRecSharder):
         params = {name: _with_kernel(sharding, decisions.get(name)) for name, sharding in params.items()}
         with _translated_annotations(module, decisions):
             sharded = super().shard(module, params, env, device, module_fqn)
-        _install_fallback_kernels(sharded, decisions, env)
+        shapes = {c.name: (c.num_embeddings, c.embedding_dim) for c in module.embedding_bag_configs()}
+        _install_fallback_kernels(sharded, decisions, env, shapes)
         _mark_updated_in_backward(sharded, decisions)
         fused = [k for lookup, k in kernels_of(sharded) if _is_fused(lookup, k)]
         install_fused_kernel_hooks(fused, {n: d.group for n, d in decisions.items()}, device.type)
@@ -316,10 +317,16 @@ def kernels_of(sharded: ShardedEmbeddingBagCollection) -> Iterator[tuple[nn.Modu
 
 
 def _install_fallback_kernels(
-    sharded: ShardedEmbeddingBagCollection, decisions: dict[str, TableDecision], env: ShardingEnv
+    sharded: ShardedEmbeddingBagCollection,
+    decisions: dict[str, TableDecision],
+    env: ShardingEnv,
+    shapes: dict[str, tuple[int, int]],
 ) -> None:
-    cross = [(name, cross_shard_class(d.group.spec.optimizer_class).slot_size) for name, d in decisions.items()
-             if d.cross_shard]  # the same order on every rank
+    cross = [  # the same order and sizes on every rank
+        (name, cross_shard_class(d.group.spec.optimizer_class).slot_size(_geometry(d, shapes[name])))
+        for name, d in decisions.items()
+        if d.cross_shard
+    ]
     round_ = LayerwiseRound(cross, env.process_group) if cross else None
     for lookup, kernel in kernels_of(sharded):
         if isinstance(lookup, DistributedDataParallel) or kernel.config.compute_kernel != EmbeddingComputeKernel.DENSE:
@@ -344,8 +351,12 @@ def _table_maker(table: Any, decision: TableDecision, round_: LayerwiseRound | N
     if not decision.cross_shard:
         return lambda weight: table_optimizer(weight, decision.group, decision.table, decision.semantics)
     implementation = cross_shard_class(decision.group.spec.optimizer_class)
-    geometry = Geometry((table.num_embeddings, table.embedding_dim), tuple(table.local_metadata.shard_offsets))
+    geometry = _geometry(decision, (table.num_embeddings, table.embedding_dim), table.local_metadata.shard_offsets)
     return lambda weight: implementation(weight, decision.group, decision.table, geometry, round_)
+
+
+def _geometry(decision: TableDecision, shape: tuple[int, int], offsets=(0, 0)) -> Geometry:
+    return Geometry(tuple(shape), tuple(offsets), 0 if decision.sharding_type in ROW_SPLITTING else 1)
 
 
 def _mark_updated_in_backward(sharded: ShardedEmbeddingBagCollection, decisions: dict[str, TableDecision]) -> None:

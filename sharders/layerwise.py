@@ -40,18 +40,43 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from overlap_optim.spec import AnnotationGroup
+from overlap_optim.spec import AnnotationGroup, OptimizerSpec
 from overlap_optim.update import DenseTableOptimizer
 
-__all__ = ["CROSS_SHARD", "cross_shard_class", "Geometry", "CrossShardTable", "LayerwiseRound", "install_round"]
+__all__ = [
+    "CROSS_SHARD", "cross_shard_class", "Geometry", "CrossShardTable", "LayerwiseRound", "install_round",
+    "split_axis", "sharded_state_layouts",
+]
 
 
 @dataclasses.dataclass(frozen=True)
 class Geometry:
-    """Where one local shard sits in its table."""
+    """Where one local shard sits in its table, and the axis the table is split along
+    (0: row shards, each with every column; 1: column shards, each with every row)."""
 
     table_shape: tuple[int, int]
     offsets: tuple[int, int]
+    axis: int
+
+
+def split_axis(decision: Any) -> int:
+    """0 for a table split into row shards, 1 for column shards."""
+    return 0 if decision.sharding_type in ("row_wise", "table_row_wise") else 1
+
+
+def sharded_state_layouts(spec: OptimizerSpec, axis: int) -> dict[str, str]:
+    """The state entries of a table split along ``axis`` that are sharded as its weight is,
+    ``name -> "element" | "row" | "column"``; the others (scalars, and the factor along the
+    unsplit axis, which every shard holds whole) are per-table values."""
+    layouts = {}
+    for name, entry in (spec.state or {}).items():
+        if entry.layout == "element":
+            layouts[name] = "element"
+        elif entry.layout == "row" and entry.tail == (1,) and axis == 0:
+            layouts[name] = "row"
+        elif entry.layout == "column" and entry.tail == (1,) and axis == 1:
+            layouts[name] = "column"
+    return layouts
 
 
 class CrossShardTable(DenseTableOptimizer):
@@ -63,13 +88,27 @@ class CrossShardTable(DenseTableOptimizer):
     names, so checkpoints see no difference.
     """
 
-    slot_size = 2  # floats of whole-table statistics per step
+    @classmethod
+    def slot_size(cls, geometry: Geometry) -> int:
+        """Floats of whole-table statistics per step; the same on every rank."""
+        return 2
 
     def __init__(self, weight, group: AnnotationGroup, name: str, geometry: Geometry, round_: LayerwiseRound) -> None:
         super().__init__(weight, group, name)
         self.geometry, self.round = geometry, round_
         self._grad: torch.Tensor | None = None
+        self._sharded = sharded_state_layouts(group.spec, geometry.axis)
         self._check_settings()
+
+    @property
+    def row_state(self) -> dict[str, torch.Tensor]:
+        """Entries sharded as the weight is (saved as sharded tensors)."""
+        return {k: v for k, v in self.state.items() if k in self._sharded}
+
+    @property
+    def table_state(self) -> dict[str, Any]:
+        """Scalars, and the factor every shard holds whole."""
+        return {k: v for k, v in self.state.items() if k not in self._sharded}
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
@@ -116,11 +155,14 @@ class LambTable(CrossShardTable):
     def _fresh_state(self, state):
         state["exp_avg"] = torch.zeros_like(self.weight)
         state["exp_avg_sq"] = torch.zeros_like(self.weight)
+        for name in ("weight_norm", "adam_norm", "trust_ratio"):
+            state[name] = self.weight.new_zeros(())
+        state["step"] = 0
 
     def partials(self, grad, state, h):
         if "exp_avg" not in state:
             self._fresh_state(state)
-        state["step"] = state.get("step", 0) + 1
+        state["step"] += 1
         beta1, beta2 = h["betas"]
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1 if h["grad_averaging"] else 1.0)
@@ -138,7 +180,8 @@ class LambTable(CrossShardTable):
         h, state = self.group.param_group, self._optimizer.state[self.weight]
         weight_norm = stats[0].sqrt().clamp(min=0, max=10.0).to(self.weight.dtype)  # Lamb.clamp
         update_norm = stats[1].sqrt().to(self.weight.dtype)
-        trust = 1.0 if weight_norm == 0 or update_norm == 0 else weight_norm / (update_norm + h["eps"])
+        trust = torch.ones_like(weight_norm) if weight_norm == 0 or update_norm == 0 else weight_norm / (
+            update_norm + h["eps"])
         state["weight_norm"], state["adam_norm"], state["trust_ratio"] = weight_norm, update_norm, trust
         if h["adam"]:
             trust = 1.0
@@ -148,17 +191,104 @@ class LambTable(CrossShardTable):
         self._grad = None
 
 
+class AdafactorTable(CrossShardTable):
+    """``torch.optim.Adafactor`` on a 2-D table: factored second moments, the RMS of the weight
+    and of the update.
+
+    The row factor ``row_var`` (R, 1) and the column factor ``col_var`` (1, C) are kept
+    where they are whole: on row shards, ``row_var`` holds the shard's rows and every rank
+    holds all of ``col_var``; on column shards, the reverse. One round carries ``||w||^2``,
+    the partial sums of ``g^2`` along the split axis, ``sum(row_var)`` and the partial sums
+    of ``g^2 / row_var`` (or ``/ col_var``), from which the update's RMS follows without a
+    second round: with ``M = max(mean(row_var), eps1)``, ``||u||^2 = M * sum_j A_j / col_var_j``,
+    ``A_j = sum_i g_ij^2 / row_var_i`` (row shards; the transpose on column shards). That
+    identity needs Adafactor's variance floor ``eps1**2`` not to bind on an element with a
+    nonzero gradient; when it does, the next step raises on every rank, naming the table.
+    """
+
+    @classmethod
+    def slot_size(cls, geometry):
+        rows, cols = geometry.table_shape
+        return 3 + 2 * (cols if geometry.axis == 0 else rows)
+
+    def _check_settings(self):
+        self._floor_bound = False
+
+    def _fresh_state(self, state):
+        (rows, cols), local = self.geometry.table_shape, self.weight.shape
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["row_var"] = self.weight.new_zeros(local[0] if self.geometry.axis == 0 else rows, 1)
+        state["col_var"] = self.weight.new_zeros(1, local[1] if self.geometry.axis == 1 else cols)
+
+    def partials(self, grad, state, h):
+        if "row_var" not in state:
+            self._fresh_state(state)
+        state["step"] += 1
+        beta = float(state["step"]) ** h["beta2_decay"]
+        rows, cols = self.geometry.table_shape
+        square = grad * grad
+        weight_sq = self.weight.double().square().sum()  # before weight decay, as the reference
+        if h["weight_decay"] != 0:
+            self.weight.mul_(1 - h["lr"] * h["weight_decay"])
+        self._grad = grad
+        flag = torch.tensor(float(self._floor_bound), dtype=torch.float64)
+        if self.geometry.axis == 0:  # whole rows here: the row factor is local
+            state["row_var"].lerp_(square.sum(1, keepdim=True) / cols, beta)
+            row_var = state["row_var"]
+            a = torch.where(row_var > 0, square / row_var, 0).sum(0)
+            return torch.cat([weight_sq[None], row_var.double().sum()[None], flag[None],
+                              square.sum(0).double(), a.double()])
+        state["col_var"].lerp_(square.sum(0, keepdim=True) / rows, beta)
+        col_var = state["col_var"]
+        b = torch.where(col_var > 0, square / col_var, 0).sum(1)
+        return torch.cat([weight_sq[None], torch.zeros(1, dtype=torch.float64), flag[None],
+                          square.sum(1).double(), b.double()])
+
+    def finish(self, stats):
+        h, state = self.group.param_group, self._optimizer.state[self.weight]
+        if stats[2] > 0:
+            raise ValueError(
+                f"table {self.name!r}: at the last step Adafactor's variance floor eps1**2 bound an element "
+                "with a nonzero gradient on some shard, where the cross-shard RMS of the update is not exact; "
+                "use table_wise or data_parallel for this table, or a smaller eps[0]"
+            )
+        rows, cols = self.geometry.table_shape
+        eps1 = h["eps"][0] if h["eps"][0] is not None else torch.finfo(self.weight.dtype).eps
+        beta = float(state["step"]) ** h["beta2_decay"]
+        n = (stats.numel() - 3) // 2
+        summed, over = stats[3 : 3 + n], stats[3 + n :]
+        if self.geometry.axis == 0:
+            state["col_var"].lerp_((summed / rows).to(self.weight.dtype)[None, :], beta)
+            mean_row = float(stats[1]) / rows
+            other = state["col_var"][0].double()
+        else:
+            state["row_var"].lerp_((summed / cols).to(self.weight.dtype)[:, None], beta)
+            mean_row = float(state["row_var"].double().mean())
+            other = state["row_var"][:, 0].double()
+        floor = max(mean_row, eps1)
+        estimate = (state["row_var"] @ state["col_var"]).div_(floor)
+        self._floor_bound = bool(((estimate < eps1 * eps1) & (self._grad != 0)).any())
+        update = estimate.clamp_(min=eps1 * eps1).rsqrt_().mul_(self._grad)
+        update_sq = floor * float(torch.where(other > 0, over / other, 0).sum())
+        denom = max(1.0, update_sq**0.5 / ((rows * cols) ** 0.5 * h["d"]))
+        step = float(state["step"])
+        alpha = max(h["eps"][1], float(stats[0]) ** 0.5 / (rows * cols) ** 0.5) * min(h["lr"], 1 / step**0.5)
+        self.weight.add_(update, alpha=-alpha / denom)
+        self._grad = None
+
+
 class LarsTable(CrossShardTable):
     """pytorch-optimizer's ``LARS``: the trust ratio ``c ||w|| / (||g|| + wd ||w||)``, then momentum."""
 
     def _fresh_state(self, state):
         if self.group.param_group["momentum"] > 0:
             state["momentum_buffer"] = torch.zeros_like(self.weight)
+        state["step"] = 0
 
     def partials(self, grad, state, h):
         if not state:
             self._fresh_state(state)
-        state["step"] = state.get("step", 0) + 1
+        state["step"] += 1
         self._grad = grad
         return torch.stack([self.weight.square().sum(), grad.square().sum()]).double()
 
@@ -177,7 +307,7 @@ class LarsTable(CrossShardTable):
 
 
 # optimizer class -> its cross-shard implementation. Optional packages join once imported.
-CROSS_SHARD: dict[type, type[CrossShardTable]] = {}
+CROSS_SHARD: dict[type, type[CrossShardTable]] = {torch.optim.Adafactor: AdafactorTable}
 _OPTIONAL = {("pytorch_optimizer", "Lamb"): LambTable, ("pytorch_optimizer", "LARS"): LarsTable}
 
 

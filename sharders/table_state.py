@@ -36,6 +36,7 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from overlap_optim.spec import AnnotationGroup
 from overlap_optim.update import TableOptimizer
 from sharders.fbgemm import FUSED_ROW_STATE
+from sharders.layerwise import sharded_state_layouts, split_axis
 
 __all__ = ["ShardedTables"]
 
@@ -48,11 +49,11 @@ class _Piece:
     index: int = 0
     rows: TableOptimizer | None = None  # or the fallback's table optimizer
 
-    def row_state(self, row_names: dict[str, bool]) -> dict[str, torch.Tensor]:
+    def row_state(self, row_names: dict[str, str]) -> dict[str, torch.Tensor]:
         if self.rows is not None:
             return self.rows.row_state
         states = self.kernel.emb_module.split_optimizer_states()[self.index]
-        return {name: (t.view(-1, 1) if rowwise else t) for (name, rowwise), t in zip(row_names.items(), states)}
+        return {name: (t.view(-1, 1) if layout == "row" else t) for (name, layout), t in zip(row_names.items(), states)}
 
     def table_state(self, scalar_names: list[str]) -> dict[str, Any]:
         if self.rows is not None:
@@ -76,8 +77,8 @@ class _Table:
     size: tuple[int, int]
     dtype: torch.dtype
     shards: list[ShardMetadata]  # every shard of the weight, on every rank
-    row_names: dict[str, bool]  # per-row state name -> row-wise (trailing size 1)
-    scalar_names: list[str]  # per-table state names
+    row_names: dict[str, str]  # sharded state name -> "element", "row" (R, 1) or "column" (1, C)
+    scalar_names: list[str]  # per-table (or replicated) state names
     pieces: list[_Piece]
 
 
@@ -99,11 +100,13 @@ class ShardedTables:
                 del self.weights[name]
                 continue
             if decision.kernel == "fused":
-                row_names = dict(FUSED_ROW_STATE[decision.choice.fbgemm_kwargs["optimizer"]])
+                fused = FUSED_ROW_STATE[decision.choice.fbgemm_kwargs["optimizer"]]
+                row_names = {name: "row" if rowwise else "element" for name, rowwise in fused.items()}
                 scalars = ["step"] if row_names else []
             else:
                 spec = decision.group.spec
-                row_names = {n: spec.state[n].layout == "row" for n in spec.row_keys()}
+                axis = split_axis(decision) if decision.cross_shard else 0
+                row_names = sharded_state_layouts(spec, axis)
                 scalars = [n for n in spec.state if n not in row_names]
             self.tables[name] = _Table(
                 name,
@@ -216,12 +219,16 @@ class ShardedTables:
 
     def _global_shape(self, table: _Table, name: str) -> tuple[int, ...]:
         rows, dim = table.size
-        return (rows, 1) if table.row_names[name] else (rows, dim)
+        return {"element": (rows, dim), "row": (rows, 1), "column": (1, dim)}[table.row_names[name]]
 
     def _state_metadata(self, table: _Table, name: str, shard: ShardMetadata) -> ShardMetadata:
-        if not table.row_names[name]:
-            return shard
-        return ShardMetadata([shard.shard_offsets[0], 0], [shard.shard_sizes[0], 1], shard.placement)
+        (row, col), (rows, cols) = shard.shard_offsets, shard.shard_sizes
+        layout = table.row_names[name]
+        if layout == "row":
+            return ShardMetadata([row, 0], [rows, 1], shard.placement)
+        if layout == "column":
+            return ShardMetadata([0, col], [1, cols], shard.placement)
+        return shard
 
     def _sharded(self, table: _Table, name: str) -> ShardedTensor:
         metadata = ShardedTensorMetadata(

@@ -1,8 +1,10 @@
 """Rank bodies for the sharded checkpoint tests (spawned; not collected by pytest).
 
-One model, five tables and an annotated MLP, each table annotated in its own
-call (six param groups, six LR schedules). Plan A and plan B put every table in
-a different sharding type, and plan B pins a fusable table to the fallback.
+One model, seven tables and an annotated MLP, each table annotated in its own
+call (eight param groups, eight LR schedules). Plan A and plan B put every table in
+a different sharding type, and plan B pins a fusable table to the fallback. The
+layer-wise tables go from row shards to column shards (Adafactor's factors change
+from sharded to whole and back) and then to one rank.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from pytorch_optimizer import Lamb
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 import overlap_optim
@@ -17,19 +20,21 @@ from _models import ManyTableModel, concat_batches, covering_batch, loss_of
 from _sharded_parity import build, compare
 from overlap_optim import apply_optimizer_in_backward, checkpoint
 
-NAMES = ["adagrad", "rowwise", "adam", "sgd_m", "sgd"]
+NAMES = ["adagrad", "rowwise", "adam", "sgd_m", "sgd", "adafactor", "lamb"]
 SETTINGS = [
     (torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-10}),
     (RowWiseAdagrad, {"lr": 0.1}),
     (torch.optim.Adam, {"lr": 0.02}),
     (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
     (torch.optim.SGD, {"lr": 0.1}),
+    (torch.optim.Adafactor, {"lr": 0.05}),  # factored state: row_var (R, 1), col_var (1, C)
+    (Lamb, {"lr": 0.05, "weight_decay": 0.01}),  # its step counter lives in the param group
 ]
 DENSE = (torch.optim.AdamW, {"lr": 0.02, "weight_decay": 0.1})
 PLAN_A = {"adagrad": "table_wise", "rowwise": "row_wise", "adam": "column_wise", "sgd_m": "data_parallel",
-          "sgd": "table_row_wise"}
+          "sgd": "table_row_wise", "adafactor": "row_wise", "lamb": "column_wise"}
 PLAN_B = {"adagrad": "row_wise", "rowwise": "table_wise", "adam": "row_wise", "sgd_m": "table_wise",
-          "sgd": "data_parallel"}
+          "sgd": "data_parallel", "adafactor": "column_wise", "lamb": "row_wise"}
 PINNED_B = ("adagrad",)  # fused in plan A, fallback in plan B
 SAVED_AT, STEPS, WORLD = 3, 6, 2
 ATOL = 1e-6
@@ -88,9 +93,11 @@ def _train(dmp, keyed, sched, reference, rank, world_size, steps):
 
 
 def layout(keyed):
-    """{(key, state name): shape} of a keyed optimizer's state dict, and its param groups' keys."""
+    """{(key, state name): shape, or type for a plain value (LAMB's step count)} of a keyed
+    optimizer's state dict, and its param groups' keys."""
     state = keyed.state_dict()
-    shapes = {(k, n): tuple(v.size()) if torch.is_tensor(v) else v for k, s in state["state"].items() for n, v in s.items()}
+    shapes = {(k, n): tuple(v.size()) if torch.is_tensor(v) else type(v).__name__
+              for k, s in state["state"].items() for n, v in s.items()}
     return shapes, [g["params"] for g in state["param_groups"]]
 
 

@@ -58,7 +58,7 @@ CASES = [
     ("lars", LARS, {"lr": 0.5, "momentum": 0.9, "trust_coefficient": 0.02}),
 ]
 NOT_SEPARABLE = {"adafactor", "muon", "came", "lamb", "lars"}
-REFUSED_WHEN_SPLIT = {"adafactor", "muon", "came"}  # the rest have a cross-shard form (sharders/layerwise.py)
+REFUSED_WHEN_SPLIT = {"muon", "came"}  # the rest have a cross-shard form (sharders/layerwise.py)
 SPLITTING = ("column_wise", "table_column_wise", "row_wise", "table_row_wise")
 
 
