@@ -45,7 +45,7 @@ from overlap_optim.update import DenseTableOptimizer
 
 __all__ = [
     "CROSS_SHARD", "cross_shard_class", "Geometry", "CrossShardTable", "LayerwiseRound", "install_round",
-    "split_axis", "sharded_state_layouts",
+    "split_axis", "sharded_state_layouts", "LAYOUTS",
 ]
 
 
@@ -64,18 +64,29 @@ def split_axis(decision: Any) -> int:
     return 0 if decision.sharding_type in ("row_wise", "table_row_wise") else 1
 
 
+# A sharded state entry's shape, from the table's (rows, cols); ``zero`` fills the other axis
+# (0 for offsets, 1 for sizes).
+LAYOUTS = {
+    "element": lambda rows, cols, zero=1: (rows, cols),
+    "row": lambda rows, cols, zero=1: (rows, zero),  # (R, 1): Adafactor's row_var, row-wise Adagrad's sum
+    "row_vector": lambda rows, cols, zero=1: (rows,),  # (R,): CAME's row factors
+    "column": lambda rows, cols, zero=1: (zero, cols),  # (1, C): Adafactor's col_var
+    "column_vector": lambda rows, cols, zero=1: (cols,),  # (C,): CAME's column factors
+}
+
+
 def sharded_state_layouts(spec: OptimizerSpec, axis: int) -> dict[str, str]:
-    """The state entries of a table split along ``axis`` that are sharded as its weight is,
-    ``name -> "element" | "row" | "column"``; the others (scalars, and the factor along the
-    unsplit axis, which every shard holds whole) are per-table values."""
+    """The state entries of a table split along ``axis`` (0: rows) that are sharded as its weight
+    is, ``name -> a layout of LAYOUTS``; the others (scalars, and the factors along the unsplit
+    axis, which every shard holds whole) are per-table values."""
     layouts = {}
     for name, entry in (spec.state or {}).items():
         if entry.layout == "element":
             layouts[name] = "element"
-        elif entry.layout == "row" and entry.tail == (1,) and axis == 0:
-            layouts[name] = "row"
-        elif entry.layout == "column" and entry.tail == (1,) and axis == 1:
-            layouts[name] = "column"
+        elif entry.layout == "row" and entry.tail in ((1,), ()) and axis == 0:
+            layouts[name] = "row" if entry.tail else "row_vector"
+        elif entry.layout == "column" and entry.tail in ((1,), ()) and axis == 1:
+            layouts[name] = "column" if entry.tail else "column_vector"
     return layouts
 
 
@@ -277,6 +288,96 @@ class AdafactorTable(CrossShardTable):
         self._grad = None
 
 
+class CameTable(CrossShardTable):
+    """came-pytorch's ``CAME``: Adafactor's factored second moment, then a factored confidence
+    (the residual ``(u - m)^2``) that scales the momentum.
+
+    The residual's means along the split axis need the update, which needs the round's
+    statistics: a second round, unless expanded. With ``u = k * s * h`` (``k`` the clipping
+    factor, ``s`` the reduced factor of the unsplit... split axis, ``h = g / sqrt(local factor)``)
+    and ``u - m_new = beta1 (u - m_old)``, the sum of the residual along the split axis is
+    ``beta1^2 (k^2 s^2 sum h^2 - 2 k s sum h m_old + sum m_old^2)`` plus the eps terms: three
+    partial sums per column (row shards) or per row (column shards), in the same round.
+    """
+
+    @classmethod
+    def slot_size(cls, geometry):
+        rows, cols = geometry.table_shape
+        return 3 + 4 * cols if geometry.axis == 0 else 1 + 4 * rows
+
+    def _fresh_state(self, state):
+        (rows, cols), (local_rows, local_cols) = self.geometry.table_shape, self.weight.shape
+        own_rows = local_rows if self.geometry.axis == 0 else rows
+        own_cols = local_cols if self.geometry.axis == 1 else cols
+        state["step"] = 0
+        state["exp_avg"] = torch.zeros_like(self.weight)
+        state["exp_avg_sq_row"] = self.weight.new_zeros(own_rows)
+        state["exp_avg_sq_col"] = self.weight.new_zeros(own_cols)
+        state["exp_avg_res_row"] = self.weight.new_zeros(own_rows)
+        state["exp_avg_res_col"] = self.weight.new_zeros(own_cols)
+        state["RMS"] = self.weight.new_zeros(())
+
+    def partials(self, grad, state, h):
+        if "exp_avg" not in state:
+            self._fresh_state(state)
+        state["step"] += 1
+        beta2, (eps1, _) = h["betas"][1], h["eps"]
+        square = grad * grad
+        sq = square + eps1
+        weight_sq = self.weight.double().square().sum()[None]
+        m_old = state["exp_avg"].double()
+        self._grad = grad
+        if self.geometry.axis == 0:  # whole rows here: the row factor is local
+            row = state["exp_avg_sq_row"]
+            row.mul_(beta2).add_(sq.mean(dim=-1), alpha=1.0 - beta2)
+            h_ = grad.double() / row.double().sqrt()[:, None]
+            return torch.cat([weight_sq, row.double().sum()[None], state["exp_avg_res_row"].double().sum()[None],
+                              sq.double().sum(0), (h_ * h_).sum(0), (h_ * m_old).sum(0), (m_old * m_old).sum(0)])
+        col = state["exp_avg_sq_col"]
+        col.mul_(beta2).add_(sq.mean(dim=-2), alpha=1.0 - beta2)
+        k = grad.double() / col.double().sqrt()[None, :]
+        return torch.cat([weight_sq, sq.double().sum(1), (k * k).sum(1), (k * m_old).sum(1), (m_old * m_old).sum(1)])
+
+    def finish(self, stats):
+        h, state = self.group.param_group, self._optimizer.state[self.weight]
+        (beta1, beta2, beta3), (_, eps2) = h["betas"], h["eps"]
+        rows, cols = self.geometry.table_shape
+        state["RMS"] = (stats[0] / (rows * cols)).sqrt().to(self.weight.dtype)
+        row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+        if self.geometry.axis == 0:
+            summed, h2, hm, m2 = stats[3:].view(4, cols)
+            col.mul_(beta2).add_((summed / rows).to(col.dtype), alpha=1.0 - beta2)
+            mean_row = float(stats[1]) / rows
+            factor = (mean_row / col.double()).sqrt()  # s_j: per column
+        else:
+            summed, h2, hm, m2 = stats[1:].view(4, rows)
+            row.mul_(beta2).add_((summed / cols).to(row.dtype), alpha=1.0 - beta2)
+            mean_row = float(row.double().mean())
+            factor = (mean_row / row.double()).sqrt()  # t_i: per row
+        update_sq = float((factor * factor * h2).sum())
+        clip = 1.0 / max((update_sq / (rows * cols)) ** 0.5 / h["clip_threshold"], 1.0)
+        update = ((row / mean_row).rsqrt_()[:, None] * col.rsqrt()[None, :]).mul_(self._grad).mul_(clip)
+        exp_avg = state["exp_avg"]
+        exp_avg.mul_(beta1).add_(update, alpha=1 - beta1)
+        res = (update - exp_avg) ** 2 + eps2
+        res_row, res_col = state["exp_avg_res_row"], state["exp_avg_res_col"]
+        across = beta1**2 * (clip * clip * factor * factor * h2 - 2 * clip * factor * hm + m2)  # along the split axis
+        if self.geometry.axis == 0:
+            old_row_sum = float(stats[2])
+            res_row.mul_(beta3).add_(res.mean(dim=-1), alpha=1.0 - beta3)
+            res_col.mul_(beta3).add_((across / rows + eps2).to(res_col.dtype), alpha=1.0 - beta3)
+            mean_res_row = (beta3 * old_row_sum + (1.0 - beta3) * float((across + rows * eps2).sum()) / cols) / rows
+        else:
+            res_col.mul_(beta3).add_(res.mean(dim=-2), alpha=1.0 - beta3)
+            res_row.mul_(beta3).add_((across / cols + eps2).to(res_row.dtype), alpha=1.0 - beta3)
+            mean_res_row = float(res_row.double().mean())
+        step = (res_row / mean_res_row).rsqrt_()[:, None] * res_col.rsqrt()[None, :] * exp_avg
+        if h["weight_decay"] != 0:
+            self.weight.add_(self.weight, alpha=-h["weight_decay"] * h["lr"])
+        self.weight.add_(-(step * h["lr"]))
+        self._grad = None
+
+
 class LarsTable(CrossShardTable):
     """pytorch-optimizer's ``LARS``: the trust ratio ``c ||w|| / (||g|| + wd ||w||)``, then momentum."""
 
@@ -308,7 +409,11 @@ class LarsTable(CrossShardTable):
 
 # optimizer class -> its cross-shard implementation. Optional packages join once imported.
 CROSS_SHARD: dict[type, type[CrossShardTable]] = {torch.optim.Adafactor: AdafactorTable}
-_OPTIONAL = {("pytorch_optimizer", "Lamb"): LambTable, ("pytorch_optimizer", "LARS"): LarsTable}
+_OPTIONAL = {
+    ("pytorch_optimizer", "Lamb"): LambTable,
+    ("pytorch_optimizer", "LARS"): LarsTable,
+    ("came_pytorch", "CAME"): CameTable,
+}
 
 
 def cross_shard_class(optimizer_class: type) -> type[CrossShardTable] | None:

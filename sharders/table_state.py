@@ -36,7 +36,7 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from overlap_optim.spec import AnnotationGroup
 from overlap_optim.update import TableOptimizer
 from sharders.fbgemm import FUSED_ROW_STATE
-from sharders.layerwise import sharded_state_layouts, split_axis
+from sharders.layerwise import LAYOUTS, sharded_state_layouts, split_axis
 
 __all__ = ["ShardedTables"]
 
@@ -77,7 +77,7 @@ class _Table:
     size: tuple[int, int]
     dtype: torch.dtype
     shards: list[ShardMetadata]  # every shard of the weight, on every rank
-    row_names: dict[str, str]  # sharded state name -> "element", "row" (R, 1) or "column" (1, C)
+    row_names: dict[str, str]  # sharded state name -> a layout of sharders.layerwise.LAYOUTS
     scalar_names: list[str]  # per-table (or replicated) state names
     pieces: list[_Piece]
 
@@ -105,8 +105,10 @@ class ShardedTables:
                 scalars = ["step"] if row_names else []
             else:
                 spec = decision.group.spec
-                axis = split_axis(decision) if decision.cross_shard else 0
-                row_names = sharded_state_layouts(spec, axis)
+                if decision.cross_shard:  # factors may be sharded or whole, by the split axis
+                    row_names = sharded_state_layouts(spec, split_axis(decision))
+                else:  # what the table optimizer slices by rows
+                    row_names = {n: spec.state[n].layout for n in spec.row_keys()}
                 scalars = [n for n in spec.state if n not in row_names]
             self.tables[name] = _Table(
                 name,
@@ -218,17 +220,13 @@ class ShardedTables:
         }
 
     def _global_shape(self, table: _Table, name: str) -> tuple[int, ...]:
-        rows, dim = table.size
-        return {"element": (rows, dim), "row": (rows, 1), "column": (1, dim)}[table.row_names[name]]
+        return LAYOUTS[table.row_names[name]](*table.size)
 
     def _state_metadata(self, table: _Table, name: str, shard: ShardMetadata) -> ShardMetadata:
+        """The piece of a state entry that the weight shard ``shard`` holds."""
+        layout = LAYOUTS[table.row_names[name]]
         (row, col), (rows, cols) = shard.shard_offsets, shard.shard_sizes
-        layout = table.row_names[name]
-        if layout == "row":
-            return ShardMetadata([row, 0], [rows, 1], shard.placement)
-        if layout == "column":
-            return ShardMetadata([0, col], [1, cols], shard.placement)
-        return shard
+        return ShardMetadata(list(layout(row, col, zero=0)), list(layout(rows, cols, zero=1)), shard.placement)
 
     def _sharded(self, table: _Table, name: str) -> ShardedTensor:
         metadata = ShardedTensorMetadata(
@@ -247,13 +245,13 @@ class ShardedTables:
     def _slice(self, value: Any, table: _Table, name: str, piece: _Piece) -> torch.Tensor:
         """The part of a saved state tensor that ``piece`` holds."""
         md = self._state_metadata(table, name, piece.metadata)
-        (row, col), (rows, cols) = md.shard_offsets, md.shard_sizes
+        offsets, sizes = list(md.shard_offsets), list(md.shard_sizes)
         if isinstance(value, ShardedTensor):
             for shard in value.local_shards():
-                if list(shard.metadata.shard_offsets) == [row, col] and list(shard.metadata.shard_sizes) == [rows, cols]:
+                if list(shard.metadata.shard_offsets) == offsets and list(shard.metadata.shard_sizes) == sizes:
                     return shard.tensor
-            raise ValueError(f"embedding_bags.{table.name}.weight.{name}: no local piece at offsets {[row, col]}")
-        return value[row : row + rows, col : col + cols]
+            raise ValueError(f"embedding_bags.{table.name}.weight.{name}: no local piece at offsets {offsets}")
+        return value[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
 
 
 def _table_of(key: str) -> str:

@@ -77,3 +77,133 @@ def dense_layerwise(rank, world_size, steps=4):
                 assert diff <= 1e-5, f"{name}, step {step}, {n}: {diff:.3g} from the reference"
         moved[name] = min((q.detach() - s).abs().max().item() for q, s in zip(reference.parameters(), start))
     return moved
+
+
+# -- layer-wise optimizers on split tables (sharders/layerwise.py) --
+
+from came_pytorch import CAME  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torchrec.distributed import DistributedModelParallel  # noqa: E402
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology  # noqa: E402
+
+import sharders  # noqa: E402
+from _models import ManyTableModel, concat_batches, covering_batch, loss_of  # noqa: E402
+from _sharded_parity import compare, local_pieces, train_and_compare  # noqa: E402
+from sharders.describe import kernel_rows  # noqa: E402
+
+SPLITTING = ("row_wise", "column_wise", "table_row_wise", "table_column_wise")
+LAYERWISE = {
+    "adafactor": (torch.optim.Adafactor, {"lr": 0.05}),
+    "came": (CAME, {"lr": 0.05, "weight_decay": 0.05}),
+    "lamb": (Lamb, {"lr": 0.05, "weight_decay": 0.01}),
+    "lars": (LARS, {"lr": 0.5, "momentum": 0.9, "trust_coefficient": 0.02}),
+}
+
+
+def split_tables(rank, world_size):
+    """Every layer-wise optimizer on every split sharding type, 4 steps, on batches that touch
+    every row and on batches that leave rows untouched (dense semantics either way):
+    {(sharding type, partial): how far each reference table moved}."""
+    names = list(LAYERWISE)
+    return {
+        (sharding_type, not cover): train_and_compare(
+            rank, world_size, names, list(LAYERWISE.values()), sharding_type, steps=4, cover=cover)
+        for sharding_type in SPLITTING
+        for cover in (True, False)
+    }
+
+
+def _sharded(names, settings, sharding_type, world_size, dense=None, seed=0):
+    """(DMP, reference, reference optimizers); ``dense(model, ours)`` annotates the MLP (or
+    returns the reference's optimizers for it)."""
+    model = ManyTableModel(names, seed=seed)
+    reference = copy.deepcopy(model)
+    for name, (cls, kwargs) in zip(names, settings):
+        overlap_optim.apply_optimizer_in_backward(cls, model.ebc.embedding_bags[name].parameters(), kwargs)
+    ref_opts = [cls(reference.ebc.embedding_bags[n].parameters(), **kw) for n, (cls, kw) in zip(names, settings)]
+    if dense is not None:
+        dense(model.dense, ours=True)
+        ref_opts += dense(reference.dense, ours=False)
+    sharder = sharders.EmbeddingBagCollectionSharder()
+    constraints = {n: ParameterConstraints(sharding_types=[sharding_type], min_partition=4) for n in names}
+    plan = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
+        constraints=constraints,
+    ).collective_plan(model, [sharder], dist.group.WORLD)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder],
+                                   data_parallel_wrapper=sharders.DataParallelWrapper())
+    with torch.no_grad():
+        for name in names:
+            ref = reference.ebc.embedding_bags[name].weight
+            for row, col, piece in local_pieces(dmp, name):
+                piece.copy_(ref[row : row + piece.shape[0], col : col + piece.shape[1]])
+    return dmp, reference, ref_opts
+
+
+def _all_reduces_per_step(dmp, names, rank, world_size):
+    calls = []
+    original = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    generator = torch.Generator().manual_seed(5)
+    parts = [covering_batch(names, generator) for _ in range(world_size)]
+    loss_of(dmp, parts[rank]).backward()  # the first step makes the state
+    dist.all_reduce = counting
+    try:
+        loss_of(dmp, parts[rank]).backward()
+    finally:
+        dist.all_reduce = original
+    return len(calls)
+
+
+def round_counts(rank, world_size):
+    """All-reduces in one step (row_wise): 0, 1 and 4 layer-wise tables among 4 tables, and the
+    describe() rows of the last."""
+    adam = (torch.optim.Adam, {"lr": 0.01})
+    names = ["a", "b", "c", "d"]
+    counts = {}
+    for layerwise in (0, 1, 4):
+        settings = list(LAYERWISE.values())[:layerwise] + [adam] * (4 - layerwise)
+        dmp, _, _ = _sharded(names, settings, "row_wise", world_size)
+        counts[layerwise] = _all_reduces_per_step(dmp, names, rank, world_size)
+    return {"counts": counts, "rows": kernel_rows(dmp)}
+
+
+def _muon_and_adam(dense, ours):
+    weights = [p for p in dense.parameters() if p.dim() == 2]
+    biases = [p for p in dense.parameters() if p.dim() != 2]
+    if ours:
+        overlap_optim.apply_optimizer_in_backward(torch.optim.Muon, weights, {"lr": 0.05})
+        overlap_optim.apply_optimizer_in_backward(torch.optim.Adam, biases, {"lr": 0.01})
+        return []
+    return [torch.optim.Muon(weights, lr=0.05), torch.optim.Adam(biases, lr=0.01)]
+
+
+def mixed_model(rank, world_size, steps=4):
+    """Adafactor, CAME, LAMB and Adam tables, row_wise, and an MLP with Muon on its weights and
+    Adam on its biases, against the same optimizers on the unsharded model, every step."""
+    names = ["adafactor", "came", "lamb", "adam"]
+    settings = [LAYERWISE["adafactor"], LAYERWISE["came"], LAYERWISE["lamb"], (torch.optim.Adam, {"lr": 0.05})]
+    dmp, reference, ref_opts = _sharded(names, settings, "row_wise", world_size, dense=_muon_and_adam)
+    with torch.no_grad():  # the MLP too: DMP re-initialised nothing there, but be explicit
+        for ours, ref in zip((p for n, p in dmp.named_parameters() if n.startswith("dense.")), reference.dense.parameters()):
+            ours.copy_(ref)
+    start = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(900 + step)
+        parts = [covering_batch(names, generator) for _ in range(world_size)]  # every row: Adam's lazy = dense
+        loss_of(dmp, parts[rank]).backward()
+        loss_of(reference, concat_batches(parts)).backward()
+        for opt in ref_opts:
+            opt.step()
+        reference.zero_grad()
+        compare(dmp, reference, names, step)
+    return {n: (p.detach() - start[n]).abs().max().item() for n, p in reference.named_parameters()}
+
+
+def layerwise_checks(rank, world_size):
+    return {"split": split_tables(rank, world_size), "rounds": round_counts(rank, world_size),
+            "mixed": mixed_model(rank, world_size)}
