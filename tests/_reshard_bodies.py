@@ -1,7 +1,7 @@
 """Rank bodies for the sharded checkpoint tests (spawned; not collected by pytest).
 
-One model, seven tables and an annotated MLP, each table annotated in its own
-call (eight param groups, eight LR schedules). Plan A and plan B put every table in
+One model, eight tables and an annotated MLP, each table annotated in its own
+call (nine param groups, nine LR schedules). Plan A and plan B put every table in
 a different sharding type, and plan B pins a fusable table to the fallback. The
 layer-wise tables go from row shards to column shards (Adafactor's factors change
 from sharded to whole and back) and then to one rank.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from came_pytorch import CAME
 from pytorch_optimizer import Lamb
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
@@ -20,7 +21,7 @@ from _models import ManyTableModel, concat_batches, covering_batch, loss_of
 from _sharded_parity import build, compare
 from overlap_optim import apply_optimizer_in_backward, checkpoint
 
-NAMES = ["adagrad", "rowwise", "adam", "sgd_m", "sgd", "adafactor", "lamb"]
+NAMES = ["adagrad", "rowwise", "adam", "sgd_m", "sgd", "adafactor", "lamb", "came"]
 SETTINGS = [
     (torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-10}),
     (RowWiseAdagrad, {"lr": 0.1}),
@@ -29,12 +30,13 @@ SETTINGS = [
     (torch.optim.SGD, {"lr": 0.1}),
     (torch.optim.Adafactor, {"lr": 0.05}),  # factored state: row_var (R, 1), col_var (1, C)
     (Lamb, {"lr": 0.05, "weight_decay": 0.01}),  # its step counter lives in the param group
+    (CAME, {"lr": 0.05}),  # factored state as vectors: (R,) and (C,)
 ]
 DENSE = (torch.optim.AdamW, {"lr": 0.02, "weight_decay": 0.1})
 PLAN_A = {"adagrad": "table_wise", "rowwise": "row_wise", "adam": "column_wise", "sgd_m": "data_parallel",
-          "sgd": "table_row_wise", "adafactor": "row_wise", "lamb": "column_wise"}
+          "sgd": "table_row_wise", "adafactor": "row_wise", "lamb": "column_wise", "came": "row_wise"}
 PLAN_B = {"adagrad": "row_wise", "rowwise": "table_wise", "adam": "row_wise", "sgd_m": "table_wise",
-          "sgd": "data_parallel", "adafactor": "column_wise", "lamb": "row_wise"}
+          "sgd": "data_parallel", "adafactor": "column_wise", "lamb": "row_wise", "came": "column_wise"}
 PINNED_B = ("adagrad",)  # fused in plan A, fallback in plan B
 SAVED_AT, STEPS, WORLD = 3, 6, 2
 ATOL = 1e-6
