@@ -204,6 +204,36 @@ def mixed_model(rank, world_size, steps=4):
     return {n: (p.detach() - start[n]).abs().max().item() for n, p in reference.named_parameters()}
 
 
+def _first_rows_batch(names, generator, rows=6):
+    """Every sample's ids in the first ``rows`` rows: row_wise, the second shard sees none."""
+    from torchrec import KeyedJaggedTensor
+
+    lengths = torch.randint(1, 4, (len(names) * 4,), generator=generator)
+    values = torch.randint(0, rows, (int(lengths.sum()),), generator=generator)
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=[f"f_{n}" for n in names], values=values, lengths=lengths)
+    return kjt, torch.randn(4, generator=generator)
+
+
+def untouched_shard(rank, world_size, steps=4):
+    """row_wise, batches that never reach the second row shard: that rank still takes part in
+    every round, and its shard still steps (dense semantics); compared every step."""
+    names = list(LAYERWISE)
+    dmp, reference, ref_opts = _sharded(names, list(LAYERWISE.values()), "row_wise", world_size)
+    start = {n: reference.ebc.embedding_bags[n].weight.detach().clone() for n in names}
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(950 + step)
+        parts = [_first_rows_batch(names, generator) for _ in range(world_size)]
+        loss_of(dmp, parts[rank]).backward()
+        loss_of(reference, concat_batches(parts)).backward()
+        for opt in ref_opts:
+            opt.step()
+        reference.zero_grad()
+        compare(dmp, reference, names, step)
+    rounds = dmp.module.ebc.overlap_round.rounds
+    untouched = {n: (reference.ebc.embedding_bags[n].weight.detach() - start[n])[6:].abs().max().item() for n in names}
+    return {"rounds": rounds, "untouched_rows_moved": untouched}
+
+
 def layerwise_checks(rank, world_size):
     return {"split": split_tables(rank, world_size), "rounds": round_counts(rank, world_size),
-            "mixed": mixed_model(rank, world_size)}
+            "mixed": mixed_model(rank, world_size), "untouched": untouched_shard(rank, world_size)}
