@@ -8,6 +8,7 @@ annotated parameter into one keyed, checkpointable optimizer with
 from overlap_optim import checkpoint
 from overlap_optim.annotation import AnnotationGroup, apply_optimizer_in_backward, materialize
 from overlap_optim.ddp import register_optimizer_hook
+from overlap_optim.local_sgd import QSR
 from overlap_optim.spec import OptimizerSpec, describe_optimizer
 from overlap_optim.keyed import InBackwardOptimizer, get_optimizers, unoptimized_parameters
 
@@ -18,6 +19,7 @@ __all__ = [
     "apply_optimizer_in_backward",
     "describe_optimizer",
     "OptimizerSpec",
+    "QSR",
     "get_optimizers",
     "materialize",
     "register_optimizer_hook",

@@ -39,6 +39,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from overlap_optim import local_sgd
 from overlap_optim.keyed import ddp_prefixes, unwrapped_name
 
 __all__ = ["save", "load", "latest", "CheckpointError"]
@@ -52,6 +53,19 @@ _MARKER = "COMPLETE"
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this model; nothing was changed."""
+
+
+def _refuse_between_averagings(model: torch.nn.Module) -> None:
+    """Between two averagings of local SGD the ranks hold different dense parameters, and a
+    checkpoint of replicated tensors would keep one rank's copy: refuse (the same on every rank)."""
+    params = {id(p) for p in model.parameters()}
+    for sync in local_sgd.registered():
+        if sync.mid_round() and any(id(p) in params for p in sync._model.params):
+            raise ValueError(
+                f"checkpoint.save at local-SGD step {sync.step}, {sync._in_round} of {sync.period} steps into a "
+                "round: the ranks hold different dense parameters and a checkpoint would keep one rank's; "
+                "call sync.average_now() first (on every rank), or save right after an averaging"
+            )
 
 
 def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra: dict[str, Any] | None = None) -> Path:
@@ -73,6 +87,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra:
     Example:
         >>> checkpoint.save("ckpt", model, opt, {"scheduler": sched, "step": step})
     """
+    _refuse_between_averagings(model)
     root = Path(path)
     extra = dict(extra or {})
     step = extra.get("step")

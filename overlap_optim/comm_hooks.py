@@ -39,7 +39,8 @@ class OptimizerHookState:
         comm: "allreduce", "fp16" or "bf16".
     """
 
-    __slots__ = ("process_group", "world_size", "targets", "managed", "comm_dtype", "release_queued", "pending")
+    __slots__ = ("process_group", "world_size", "targets", "managed", "comm_dtype", "release_queued", "pending",
+                 "local_sgd", "local")
 
     def __init__(
         self,
@@ -47,6 +48,7 @@ class OptimizerHookState:
         targets: dict[int, list[Target]],
         managed: list[torch.Tensor],
         comm: str = "allreduce",
+        local_sgd=None,
     ) -> None:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
@@ -55,6 +57,8 @@ class OptimizerHookState:
         self.comm_dtype = COMM_DTYPES[comm]
         self.release_queued = False
         self.pending: list[torch.futures.Future] = []
+        self.local_sgd = local_sgd  # an overlap_optim.local_sgd.QSR, or None
+        self.local = False  # this backward is a local step
 
     def release(self) -> None:
         """At the end of backward: wait for every bucket's update, then drop the stepped gradients.
@@ -69,6 +73,8 @@ class OptimizerHookState:
         for param in self.managed:
             param.grad = None
         self.release_queued = False
+        if self.local_sgd is not None and self.local_sgd.finish_step(self.local):
+            self.local_sgd.average_now()  # the round's last step: average, after the updates
 
 
 def _keep_averaged(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -86,17 +92,23 @@ def _keep_averaged(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 def optimizer_hook(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Reduce and average the bucket, then step the annotated parameters in it."""
+    """Reduce and average the bucket, then step the annotated parameters in it. On a local
+    step (local SGD) nothing is reduced: each rank steps on its own gradient."""
     buffer = bucket.buffer()
-    sent = buffer if state.comm_dtype is None else buffer.to(state.comm_dtype)
-    sent.div_(state.world_size)
-    future = dist.all_reduce(sent, group=state.process_group, async_op=True).get_future()
-    if not state.release_queued:
+    if not state.release_queued:  # the first bucket of this backward
+        state.local = state.local_sgd is not None and state.local_sgd.is_local()
         Variable._execution_engine.queue_callback(state.release)
         state.release_queued = True
+    if state.local:
+        future = torch.futures.Future()
+        future.set_result([buffer])
+    else:
+        sent = buffer if state.comm_dtype is None else buffer.to(state.comm_dtype)
+        sent.div_(state.world_size)
+        future = dist.all_reduce(sent, group=state.process_group, async_op=True).get_future()
 
     def step(done: torch.futures.Future) -> torch.Tensor:
-        if state.comm_dtype is not None:
+        if state.comm_dtype is not None and not state.local:
             buffer.copy_(done.value()[0])
         stepped = []
         for param, grad in zip(bucket.parameters(), bucket.gradients()):

@@ -8,10 +8,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlap_optim.annotation import remove_guard
 from overlap_optim.comm_hooks import COMM_DTYPES, OptimizerHookState, optimizer_hook
+from overlap_optim.local_sgd import QSR, AveragedModel
 
 __all__ = ["register_optimizer_hook"]
 
-def register_optimizer_hook(ddp_model: DistributedDataParallel, comm: str = "allreduce") -> OptimizerHookState:
+def register_optimizer_hook(
+    ddp_model: DistributedDataParallel, comm: str = "allreduce", *, local_sgd: QSR | None = None
+) -> OptimizerHookState:
     """Make ``ddp_model`` step its parameters' annotated optimizers after their all-reduce.
 
     Call it once, after wrapping and before the first forward. For every
@@ -28,13 +31,17 @@ def register_optimizer_hook(ddp_model: DistributedDataParallel, comm: str = "all
     Args:
         ddp_model: the wrapped model.
         comm: ``"allreduce"``, or ``"fp16"`` / ``"bf16"`` to all-reduce a compressed copy.
+        local_sgd: a :class:`~overlap_optim.local_sgd.QSR`: local SGD for these parameters
+            (see :mod:`overlap_optim.local_sgd`).
 
     Returns:
         The hook's state.
 
     Raises:
-        TypeError: ``ddp_model`` is not a ``DistributedDataParallel``.
-        ValueError: ``comm`` is unknown.
+        TypeError: ``ddp_model`` is not a ``DistributedDataParallel``, or ``local_sgd`` is not a QSR.
+        ValueError: ``comm`` is unknown; with ``local_sgd``: compression, ``find_unused_parameters=True``,
+            ``alpha > 0`` with no annotated parameter, an ``average_state`` name no annotated
+            optimizer keeps, or a QSR already registered with another model.
         NotImplementedError: ``find_unused_parameters=True`` with annotated
             parameters: DDP hands an unused parameter a zero gradient, and its
             optimizer would step on it where ``torch.optim`` skips it.
@@ -58,9 +65,36 @@ def register_optimizer_hook(ddp_model: DistributedDataParallel, comm: str = "all
             "zero gradient and its optimizer would step on it (torch.optim skips it); wrap with "
             "find_unused_parameters=False, or leave the parameters that may go unused unannotated"
         )
-    state = OptimizerHookState(ddp_model.process_group, targets, managed, comm)
+    if local_sgd is not None:
+        _attach_local_sgd(local_sgd, ddp_model, comm, managed)
+    state = OptimizerHookState(ddp_model.process_group, targets, managed, comm, local_sgd)
     install_optimizer_hook(ddp_model, state)
     return state
+
+
+def _attach_local_sgd(sync: QSR, ddp_model: DistributedDataParallel, comm: str, annotated: list) -> None:
+    if not isinstance(sync, QSR):
+        raise TypeError(f"local_sgd takes an overlap_optim.QSR, got {type(sync).__name__}")
+    if sync._model is not None:
+        raise ValueError("this QSR is registered with another model already: make one QSR per model")
+    if comm != "allreduce":
+        raise ValueError(f"local_sgd with comm={comm!r}: compressed all-reduce is not supported with local SGD")
+    if ddp_model.find_unused_parameters:
+        raise ValueError("local_sgd with find_unused_parameters=True is not supported")
+    if sync.alpha > 0 and not annotated:
+        raise ValueError(
+            f"local_sgd with alpha={sync.alpha}: QSR reads the lr of the annotated DDP parameters, and this "
+            "model has none; use alpha=0 for a constant period"
+        )
+    kept = {name for p in annotated for name in (p._overlap_group.spec.state or {})}
+    unknown = sorted(set(sync.average_state) - kept)
+    if unknown:
+        raise ValueError(
+            f"average_state names {unknown}, which no annotated optimizer of this model keeps "
+            f"(they keep {sorted(kept)})"
+        )
+    params = [p for p in ddp_model._module_parameters if p.requires_grad]
+    sync.attach(AveragedModel(params, annotated, ddp_model.process_group))
 
 
 def install_optimizer_hook(ddp_model: DistributedDataParallel, state: OptimizerHookState) -> None:

@@ -11,6 +11,7 @@ from torchrec.distributed.types import ShardingEnv
 
 from overlap_optim.annotation import reattach_annotations, record_annotations
 from overlap_optim.ddp import register_optimizer_hook
+from overlap_optim.local_sgd import QSR
 
 __all__ = ["DataParallelWrapper"]
 
@@ -38,8 +39,11 @@ class DataParallelWrapper(DefaultDataParallelWrapper):
         ...                                  data_parallel_wrapper=DataParallelWrapper())
     """
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, local_sgd: QSR | None = None, **kwargs) -> None:
+        """``local_sgd``: an ``overlap_optim.QSR``, local SGD for the data-parallel part (dense
+        layers and data-parallel tables); sharded tables stay synchronous."""
         super().__init__(*args, **kwargs)
+        self.local_sgd = local_sgd
         self._recording = _record_when_registered(self)
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
@@ -52,7 +56,7 @@ class DataParallelWrapper(DefaultDataParallelWrapper):
             self._allreduce_comm_precision = None if comm == "allreduce" else comm
         wrapped = dmp._dmp_wrapped_module
         if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
-            register_optimizer_hook(wrapped, comm=comm)
+            register_optimizer_hook(wrapped, comm=comm, local_sgd=self.local_sgd)
 
 
 def _record_when_registered(wrapper: DataParallelWrapper):

@@ -261,3 +261,34 @@ def _dmp(model, sharder):
     planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"))
     plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
     return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+
+
+def test_local_sgd_registration_refusals(world_of_one):
+    from torch.nn.parallel import DistributedDataParallel
+
+    import overlap_optim
+    from overlap_optim import QSR, apply_optimizer_in_backward, register_optimizer_hook
+
+    def ddp(annotated=True, **kwargs):
+        model = torch.nn.Linear(2, 2)
+        if annotated:
+            apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 0.1})
+        return DistributedDataParallel(model, **kwargs)
+
+    with pytest.raises(ValueError, match="compressed all-reduce is not supported with local SGD"):
+        register_optimizer_hook(ddp(), comm="bf16", local_sgd=QSR())
+    with pytest.raises(ValueError, match="local_sgd with find_unused_parameters=True is not supported"):
+        register_optimizer_hook(ddp(annotated=False, find_unused_parameters=True), local_sgd=QSR(alpha=0))
+    with pytest.raises(ValueError, match="QSR reads the lr of the annotated DDP parameters, and this model has none"):
+        register_optimizer_hook(ddp(annotated=False), local_sgd=QSR(alpha=0.2))
+    with pytest.raises(ValueError, match=r"average_state names \['momentum_buffer'\], which no annotated optimizer"):
+        register_optimizer_hook(ddp(), local_sgd=QSR(average_state=("exp_avg", "momentum_buffer")))
+    sync = QSR(alpha=0.2)
+    model = ddp()
+    register_optimizer_hook(model, local_sgd=sync)
+    with pytest.raises(ValueError, match="registered with another model already"):
+        register_optimizer_hook(ddp(), local_sgd=sync)
+    for group in overlap_optim.get_optimizers(model).param_groups:
+        group["lr"] = 0.0
+    with pytest.raises(ValueError, match=r"local SGD at step 0: the learning rate is 0.0.*pass total_steps="):
+        model(torch.ones(1, 2)).sum().backward()
