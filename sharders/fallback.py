@@ -121,7 +121,7 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
             start, end = bounds[f], bounds[f + 1]
             dim = dims[table]
             samples = bag_of_value[start:end] - f * batch
-            grads = grad_out[:, column : column + dim].index_select(0, samples)
+            grads = grad_out[:, column : column + dim].contiguous().index_select(0, samples)
             if weights is not None:
                 grads = grads * weights[start:end, None]
             if self._pooling == PoolingMode.MEAN:
