@@ -185,6 +185,7 @@ def all_checks(rank, world_size):
         "averager": simulation_matches_periodic_model_averager(rank, world_size),
         "cases": {name: ours_against_simulation(rank, world_size, name) for name in CASES},
         "resume": resume_and_refusal(rank, world_size),
+        "dmp": dmp_with_local_sgd(rank, world_size),
     }
 
 
@@ -219,3 +220,77 @@ def resume_and_refusal(rank, world_size, steps=10, saved_at=4):
         _loss(ddp2, _batches(step, world_size)[rank]).backward()
     diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), resumed.parameters()))
     return {"refusal": refusal, "resume_diff": diff, "spread_at_save": snapshot[2]}
+
+
+def dmp_with_local_sgd(rank, world_size, steps=7, period=3):
+    """Sharded tables (fused Adagrad, fallback Adam; row_wise) stay synchronous and exact while the
+    dense part runs local SGD: against one shared set of tables stepped on the global batch and
+    one dense replica per rank (its own optimizer on its own rank's batch, averaged every
+    ``period`` steps). Returns, per step, the dense spread across ranks."""
+    import sharders
+    from _models import ManyTableModel, covering_batch, loss_of
+    from _sharded_parity import local_pieces
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+
+    names, settings = ["fused", "fallback"], [(torch.optim.Adagrad, {"lr": 0.1}), (torch.optim.Adam, {"lr": 0.05})]
+    dense_setting = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+    model = ManyTableModel(names, seed=4)
+    reference = copy.deepcopy(model)
+    for name, (cls, kwargs) in zip(names, settings):
+        overlap_optim.apply_optimizer_in_backward(cls, model.ebc.embedding_bags[name].parameters(), kwargs)
+    overlap_optim.apply_optimizer_in_backward(dense_setting[0], model.dense.parameters(), dense_setting[1])
+    sync = overlap_optim.QSR(alpha=0.0, base_period=period)
+    sharder = sharders.EmbeddingBagCollectionSharder()
+    plan = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
+        constraints={n: ParameterConstraints(sharding_types=["row_wise"], min_partition=4) for n in names},
+    ).collective_plan(model, [sharder], dist.group.WORLD)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder],
+                                   data_parallel_wrapper=sharders.DataParallelWrapper(local_sgd=sync))
+    with torch.no_grad():
+        for name in names:
+            ref = reference.ebc.embedding_bags[name].weight
+            for row, col, piece in local_pieces(dmp, name):
+                piece.copy_(ref[row : row + piece.shape[0], col : col + piece.shape[1]])
+    table_opts = [cls(reference.ebc.embedding_bags[n].parameters(), **kw) for n, (cls, kw) in zip(names, settings)]
+    replicas = [copy.deepcopy(reference.dense) for _ in range(world_size)]
+    dense_opts = [dense_setting[0](r.parameters(), **dense_setting[1]) for r in replicas]
+    ours_dense = [p for n, p in dmp.named_parameters() if n.startswith("dense.")]
+    spreads = []
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(60 + step)
+        parts = [covering_batch(names, generator) for _ in range(world_size)]
+        loss_of(dmp, parts[rank]).backward()
+        total = 0
+        for replica, part in zip(replicas, parts):  # the global mean loss, each rank's dense replica
+            reference.dense = replica
+            total = total + loss_of(reference, part) / world_size
+        total.backward()
+        for opt in table_opts:
+            opt.step()
+            opt.zero_grad()
+        for replica, opt in zip(replicas, dense_opts):  # a local step: each replica on its own mean loss
+            for p in replica.parameters():
+                p.grad.mul_(world_size)
+            opt.step()
+            opt.zero_grad()
+        if (step + 1) % period == 0:
+            with torch.no_grad():
+                for params in zip(*(r.parameters() for r in replicas)):
+                    mean = torch.stack([p.detach() for p in params]).mean(0)
+                    for p in params:
+                        p.copy_(mean)
+        for name in names:  # tables: synchronous, exact
+            ref = reference.ebc.embedding_bags[name].weight.detach()
+            for row, col, piece in local_pieces(dmp, name):
+                diff = (piece - ref[row : row + piece.shape[0], col : col + piece.shape[1]]).abs().max().item()
+                assert diff <= 1e-5, f"step {step}, table {name}: {diff:.3g}"
+        for p, q in zip(ours_dense, replicas[rank].parameters()):
+            diff = (p.detach() - q.detach()).abs().max().item()
+            assert diff <= 1e-5, f"step {step}, dense: {diff:.3g} from this rank's replica"
+        flat = torch.cat([p.detach().reshape(-1) for p in ours_dense])
+        gathered = [torch.zeros_like(flat) for _ in range(world_size)]
+        dist.all_gather(gathered, flat)
+        spreads.append(max((g - gathered[0]).abs().max().item() for g in gathered))
+    return {"spreads": spreads, "periods": sync.period}

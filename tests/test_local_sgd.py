@@ -71,3 +71,8 @@ def test_a_mid_round_checkpoint_is_refused_and_each_ranks_state_resumes_exactly(
         assert "local-SGD step 4, 1 of 3 steps into a round" in out["refusal"], out["refusal"]
         assert out["spread_at_save"]["in_round"] == 1
         assert out["resume_diff"] == 0.0, out["resume_diff"]  # bit-identical
+
+
+def test_dmp_tables_stay_exact_while_the_dense_part_averages_every_round(ranks):
+    spreads = ranks[0]["dmp"]["spreads"]  # compared with the reference after every step, in the ranks
+    assert [s == 0.0 for s in spreads] == [False, False, True, False, False, True, False], spreads
