@@ -55,17 +55,45 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this model; nothing was changed."""
 
 
-def _refuse_between_averagings(model: torch.nn.Module) -> None:
-    """Between two averagings of local SGD the ranks hold different dense parameters, and a
-    checkpoint of replicated tensors would keep one rank's copy: refuse (the same on every rank)."""
-    params = {id(p) for p in model.parameters()}
-    for sync in local_sgd.registered():
-        if sync.mid_round() and any(id(p) in params for p in sync._model.params):
-            raise ValueError(
-                f"checkpoint.save at local-SGD step {sync.step}, {sync._in_round} of {sync.period} steps into a "
-                "round: the ranks hold different dense parameters and a checkpoint would keep one rank's; "
-                "call sync.average_now() first (on every rank), or save right after an averaging"
-            )
+def _rank_local_state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any] | None:
+    """Between two averagings of local SGD the ranks hold different dense parameters, and DCP keeps
+    one copy of a replicated tensor. Then each rank's own dense parameters and their optimizer
+    state, by name, to be saved in a file of its own; None when no local-SGD round is open."""
+    open_rounds = [s for s in local_sgd.registered() if s.mid_round()]
+    managed = {id(p) for s in open_rounds for p in s._model.params}
+    prefixes = ddp_prefixes(model)
+    names = [unwrapped_name(n, prefixes) for n, p in model.named_parameters() if id(p) in managed]
+    if not names:
+        return None
+    optim_state = optimizer.state_dict()["state"]
+    params = _model_state(model)
+    return {
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "params": {n: params[n].detach().clone() for n in names},
+        "optim": {n: optim_state[n] for n in names if n in optim_state},
+    }
+
+
+def _rank_file(directory: Path, world_size: int) -> Path:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return directory / f"local-sgd-rank-{rank}-of-{world_size}.pt"
+
+
+def _read_rank_local(directory: Path) -> dict[str, Any] | None:
+    """This rank's own dense state, if the checkpoint was taken between averagings; refused on
+    another world size, where no rank's copy is the right one."""
+    files = sorted(directory.glob("local-sgd-rank-*-of-*.pt"))
+    if not files:
+        return None
+    saved_world = int(re.search(r"-of-(\d+)\.pt$", files[0].name).group(1))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world != saved_world:
+        raise CheckpointError(
+            f"checkpoint {directory.name} was taken between two local-SGD averagings on {saved_world} ranks, "
+            f"where each rank's dense parameters differ: it loads on {saved_world} ranks only, not {world}. "
+            "Take checkpoints to reshard right after an averaging (QSR.average_now())"
+        )
+    return torch.load(_rank_file(directory, world), weights_only=False)
 
 
 def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra: dict[str, Any] | None = None) -> Path:
@@ -77,9 +105,14 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra:
         optimizer: ``overlap_optim.get_optimizers(model)`` (any object with
             ``state_dict``/``load_state_dict`` whose state is keyed by name).
         extra: more state by name: objects with ``state_dict()`` (an LR
-            scheduler) are saved through it, anything else as is. ``extra["step"]``
-            (an int) names the checkpoint; without it, the step is one more
-            than the latest checkpoint's.
+            scheduler, an ``overlap_optim.QSR``) are saved through it, anything
+            else as is. ``extra["step"]`` (an int) names the checkpoint; without
+            it, the step is one more than the latest checkpoint's.
+
+    Between two averagings of local SGD (``overlap_optim.QSR``) the ranks' dense
+    parameters differ: each rank then also saves its own dense parameters and
+    their optimizer state, and the checkpoint resumes exactly on the same world
+    size (only there).
 
     Returns:
         The directory of the new checkpoint.
@@ -87,7 +120,6 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra:
     Example:
         >>> checkpoint.save("ckpt", model, opt, {"scheduler": sched, "step": step})
     """
-    _refuse_between_averagings(model)
     root = Path(path)
     extra = dict(extra or {})
     step = extra.get("step")
@@ -100,11 +132,15 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra:
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-{final.name}-{_shared_token()}"
     state = {"model": _model_state(model), "optim": optimizer.state_dict(), "extra": _extra_states(extra)}
+    local = _rank_local_state(model, optimizer)
     if _is_writer():
         root.mkdir(parents=True, exist_ok=True)
     _barrier()
     dcp.save(state, checkpoint_id=str(tmp))
     _barrier()
+    if local is not None:  # every rank its own file, inside the checkpoint before it is complete
+        torch.save(local, _rank_file(tmp, local["world_size"]))
+        _barrier()
     if _is_writer():
         (tmp / _MARKER).write_text(json.dumps({"step": step}))
         _swap_in(tmp, final)
@@ -153,8 +189,9 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra:
     Raises:
         CheckpointError: no complete checkpoint; keys missing or unexpected
             (both listed); a shape that differs; another optimizer's state;
-            a truncated or corrupt file; a checkpoint of another model. Nothing
-            is changed.
+            a truncated or corrupt file; a checkpoint of another model; a
+            checkpoint taken between two local-SGD averagings, loaded on another
+            world size. Nothing is changed.
     """
     directory = _resolve(Path(path))
     saved_extra = _read_extras(directory)
@@ -163,6 +200,10 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra:
         init_state()
     try:
         scratch = _read_validated(directory, model, optimizer)
+        local = _read_rank_local(directory)
+        if local is not None:  # taken between averagings: this rank's own dense state
+            scratch["model"].update(local["params"])
+            scratch["optim"]["state"].update(local["optim"])
         optimizer.load_state_dict(scratch["optim"])  # validates before changing anything
     except BaseException:
         # A refused load leaves no placeholder state behind: nothing changed.

@@ -180,11 +180,59 @@ def _spread(model):
     return max((g - gathered[0]).abs().max().item() for g in gathered)
 
 
-def all_checks(rank, world_size):
+def all_checks(rank, world_size, directory):
     return {
         "averager": simulation_matches_periodic_model_averager(rank, world_size),
         "cases": {name: ours_against_simulation(rank, world_size, name) for name in CASES},
-        "resume": resume_and_refusal(rank, world_size),
+        "resume": mid_round_checkpoint(rank, world_size, directory),
+        "dmp": dmp_with_local_sgd(rank, world_size),
+    }
+
+
+def mid_round_checkpoint(rank, world_size, directory, steps=10, saved_at=4):
+    """A checkpoint taken between averagings (each rank's own dense state) resumes bit-identically
+    on the same world size: (largest difference from the uninterrupted run, the QSR's state then)."""
+    def fresh(seed):
+        model = _mlp(seed=seed)
+        overlap_optim.apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 0.02})
+        sync = overlap_optim.QSR(alpha=0.0, base_period=3, average_state=("exp_avg",))
+        ddp = DistributedDataParallel(model)
+        overlap_optim.register_optimizer_hook(ddp, local_sgd=sync)
+        return model, ddp, overlap_optim.get_optimizers(ddp), sync
+
+    model, ddp, keyed, sync = fresh(seed=3)
+    for step in range(steps):
+        if step == saved_at:
+            overlap_optim.checkpoint.save(directory, ddp, keyed, {"local_sgd": sync, "step": step})
+            saved_state = sync.state_dict()
+        _loss(ddp, _batches(step, world_size)[rank]).backward()
+    resumed, ddp2, keyed2, sync2 = fresh(seed=5)  # other weights, fresh optimizer state
+    overlap_optim.checkpoint.load(directory, ddp2, keyed2, {"local_sgd": sync2})
+    assert sync2.state_dict() == saved_state
+    for step in range(saved_at, steps):
+        _loss(ddp2, _batches(step, world_size)[rank]).backward()
+    diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), resumed.parameters()))
+    return {"resume_diff": diff, "saved": saved_state}
+
+
+def load_on_one_rank(rank, world_size, directory):
+    """The mid-round 2-rank checkpoint on 1 rank: refused, naming why."""
+    model = _mlp()
+    overlap_optim.apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 0.02})
+    ddp = DistributedDataParallel(model)
+    overlap_optim.register_optimizer_hook(ddp, local_sgd=overlap_optim.QSR(alpha=0.0, base_period=3))
+    try:
+        overlap_optim.checkpoint.load(directory, ddp, overlap_optim.get_optimizers(ddp))
+    except overlap_optim.checkpoint.CheckpointError as err:
+        return str(err)
+    return "loaded"
+
+
+def all_checks(rank, world_size, directory):
+    return {
+        "averager": simulation_matches_periodic_model_averager(rank, world_size),
+        "cases": {name: ours_against_simulation(rank, world_size, name) for name in CASES},
+        "resume": mid_round_checkpoint(rank, world_size, directory),
         "dmp": dmp_with_local_sgd(rank, world_size),
     }
 

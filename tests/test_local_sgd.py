@@ -15,12 +15,17 @@ import torch
 
 import overlap_optim
 from overlap_optim.testing import run_ranks
-from _local_sgd_bodies import all_checks
+from _local_sgd_bodies import all_checks, load_on_one_rank
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    return run_ranks(all_checks, timeout=300)
+def checkpoints(tmp_path_factory):
+    return tmp_path_factory.mktemp("local_sgd")
+
+
+@pytest.fixture(scope="module")
+def ranks(checkpoints):
+    return run_ranks(all_checks, str(checkpoints), timeout=300)
 
 
 def test_the_simulation_equals_torchs_periodic_model_averager(ranks):
@@ -65,12 +70,14 @@ def test_qsr_settings_are_checked_where_they_enter():
             overlap_optim.QSR(**kwargs)
 
 
-def test_a_mid_round_checkpoint_is_refused_and_each_ranks_state_resumes_exactly(ranks):
+def test_a_checkpoint_between_averagings_resumes_bit_identically_on_the_same_world_size(ranks, checkpoints):
     for rank in ranks:
         out = rank["resume"]
-        assert "local-SGD step 4, 1 of 3 steps into a round" in out["refusal"], out["refusal"]
-        assert out["spread_at_save"]["in_round"] == 1
-        assert out["resume_diff"] == 0.0, out["resume_diff"]  # bit-identical
+        assert out["saved"]["in_round"] == 1  # taken one step into a round: the ranks differed
+        assert out["resume_diff"] == 0.0, out["resume_diff"]
+    assert len(list(checkpoints.glob("step-*/local-sgd-rank-*-of-2.pt"))) == 2  # each rank's own
+    refusal = run_ranks(load_on_one_rank, str(checkpoints), world_size=1, timeout=120)[0]
+    assert "taken between two local-SGD averagings on 2 ranks" in refusal and "not 1" in refusal, refusal
 
 
 def test_dmp_tables_stay_exact_while_the_dense_part_averages_every_round(ranks):
