@@ -238,7 +238,7 @@ class AdafactorTable(CrossShardTable):
         beta = float(state["step"]) ** h["beta2_decay"]
         rows, cols = self.geometry.table_shape
         square = grad * grad
-        weight_sq = self.weight.double().square().sum()  # before weight decay, as the reference
+        weight_sq = torch.linalg.vector_norm(self.weight, dtype=torch.float64).square()  # before weight decay
         if h["weight_decay"] != 0:
             self.weight.mul_(1 - h["lr"] * h["weight_decay"])
         self._grad = grad
@@ -324,7 +324,7 @@ class CameTable(CrossShardTable):
         beta2, (eps1, _) = h["betas"][1], h["eps"]
         square = grad * grad
         sq = square + eps1
-        weight_sq = self.weight.double().square().sum()[None]
+        weight_sq = torch.linalg.vector_norm(self.weight, dtype=torch.float64).square()[None]
         m_old = state["exp_avg"].double()
         self._grad = grad
         if self.geometry.axis == 0:  # whole rows here: the row factor is local
