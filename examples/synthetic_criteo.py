@@ -20,6 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import quiet  # noqa: E402
+
+quiet.install()  # before torch: the ranks torchrun starts run this too
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torchrec.datasets.utils import Batch  # noqa: E402
