@@ -329,12 +329,34 @@ def _entry(value: Any) -> StateEntry:
 
 def _separable(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], options: dict[str, Any], axis: int) -> bool:
     """Whether stepping two halves (split along ``axis``), each with its own optimizer, gives
-    the whole matrix's result: weights within 1e-7 of the update, and equal per-tensor scalars."""
+    the whole matrix's result, for every probe gradient sequence (:func:`_probe_gradients`):
+    weights within 1e-7 of the update, and equal per-tensor scalars."""
     if "lr" in kwargs:  # separability must not hinge on a small (or zero) starting lr
         kwargs = {**kwargs, "lr": 1e-2}
     generator = torch.Generator().manual_seed(0)
     start = torch.randn(_ROWS, _COLS, generator=generator, dtype=torch.float64)
-    grads = [torch.randn(_ROWS, _COLS, generator=generator, dtype=torch.float64) for _ in range(_PROBE_STEPS)]
+    return all(_separable_on(cls, kwargs, options, axis, start, g) for g in _probe_gradients(start, generator))
+
+
+def _probe_gradients(start: torch.Tensor, generator: torch.Generator) -> list[list[torch.Tensor]]:
+    """Gradient sequences that reach an optimizer's branches: random ones, and first gradients
+    orthogonal to the weight's rows, to its columns and to the whole weight, where an update
+    that reads a cosine (AdamP's projection) takes another path."""
+    def randn():
+        return torch.randn(_ROWS, _COLS, generator=generator, dtype=torch.float64)
+
+    def orthogonal(g, dim):  # remove the component along the weight, per row (1), column (0) or all (None)
+        if dim is None:
+            return g - (g * start).sum() / start.square().sum() * start
+        return g - (g * start).sum(dim, keepdim=True) / start.square().sum(dim, keepdim=True) * start
+
+    sequences = [[randn() for _ in range(_PROBE_STEPS)]]
+    for dim in (1, 0, None):
+        sequences.append([orthogonal(randn(), dim)] + [randn() for _ in range(_PROBE_STEPS - 1)])
+    return sequences
+
+
+def _separable_on(cls, kwargs, options, axis, start, grads) -> bool:
     try:
         whole, whole_scalars = _run(cls, kwargs, options, start, grads)
         halves = [

@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 from came_pytorch import CAME
-from pytorch_optimizer import LARS, Lamb
+from pytorch_optimizer import LARS, AdamP, Lamb
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from overlap_optim.testing import run_ranks
@@ -56,9 +56,11 @@ CASES = [
     # pytorch-optimizer's, with their step counter in the param group (kept per table here).
     ("lamb", Lamb, {"lr": 0.05, "weight_decay": 0.01}),
     ("lars", LARS, {"lr": 0.5, "momentum": 0.9, "trust_coefficient": 0.02}),
+    # Its projection reads cosines of rows and of the whole weight: not separable, no cross-shard form.
+    ("adamp", AdamP, {"lr": 0.05}),
 ]
-NOT_SEPARABLE = {"adafactor", "muon", "came", "lamb", "lars"}
-REFUSED_WHEN_SPLIT = {"muon"}  # the rest have a cross-shard form (sharders/layerwise.py)
+NOT_SEPARABLE = {"adafactor", "muon", "came", "lamb", "lars", "adamp"}
+REFUSED_WHEN_SPLIT = {"muon", "adamp"}  # the rest have a cross-shard form (sharders/layerwise.py)
 SPLITTING = ("column_wise", "table_column_wise", "row_wise", "table_row_wise")
 
 
@@ -91,7 +93,7 @@ def test_not_separable_optimizers_are_exact_with_dense_semantics_on_partial_batc
 @pytest.mark.parametrize("name", sorted(REFUSED_WHEN_SPLIT))
 def test_not_separable_optimizers_are_refused_on_split_tables(results, sharding_type, name):
     axis = "rows" if "row" in sharding_type else "columns"
-    cls = {"adafactor": "Adafactor", "muon": "Muon", "came": "CAME", "lamb": "Lamb", "lars": "LARS"}[name]
+    cls = {"adafactor": "Adafactor", "muon": "Muon", "came": "CAME", "lamb": "Lamb", "lars": "LARS", "adamp": "AdamP"}[name]
     assert re.match(
         rf"table '{name}': {cls}'s update is not separable by {axis} .* and {sharding_type} sharding splits "
         rf"this table into \w+ shards; use table_wise, data_parallel for this table",

@@ -80,3 +80,16 @@ def test_a_name_kept_both_in_the_group_and_per_parameter_is_refused():
 
     with pytest.raises(NotImplementedError, match=r"Both keeps \['step'\] both in its param group and per parameter"):
         describe_optimizer(Both, {"lr": 0.1})
+
+
+def test_an_update_that_reads_cosines_is_found_not_separable():
+    """AdamP projects its update when the gradient is nearly orthogonal to the weight (per row, or
+    over the whole weight): random probe gradients alone never take that branch, so it passed as
+    separable and ran silently wrong on column shards (3e-3 after 3 steps). The probe now also
+    starts from gradients orthogonal to the weight's rows, columns and whole."""
+    from pytorch_optimizer import AdamP, Lion
+
+    adamp = describe_optimizer(AdamP, {"lr": 0.05})
+    assert not adamp.row_separable and not adamp.column_separable
+    lion = describe_optimizer(Lion, {"lr": 0.01})  # elementwise: still separable both ways
+    assert lion.row_separable and lion.column_separable
