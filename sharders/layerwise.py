@@ -108,18 +108,10 @@ class CrossShardTable(DenseTableOptimizer):
         super().__init__(weight, group, name)
         self.geometry, self.round = geometry, round_
         self._grad: torch.Tensor | None = None
-        self._sharded = sharded_state_layouts(group.spec, geometry.axis)
+        # row_state: the entries sharded as the weight is; table_state: scalars, and the factor
+        # every shard holds whole.
+        self._row_keys = set(sharded_state_layouts(group.spec, geometry.axis))
         self._check_settings()
-
-    @property
-    def row_state(self) -> dict[str, torch.Tensor]:
-        """Entries sharded as the weight is (saved as sharded tensors)."""
-        return {k: v for k, v in self.state.items() if k in self._sharded}
-
-    @property
-    def table_state(self) -> dict[str, Any]:
-        """Scalars, and the factor every shard holds whole."""
-        return {k: v for k, v in self.state.items() if k not in self._sharded}
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor, grads: torch.Tensor) -> None:

@@ -87,8 +87,8 @@ from torchrec.distributed import DistributedModelParallel  # noqa: E402
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology  # noqa: E402
 
 import sharders  # noqa: E402
-from _models import ManyTableModel, concat_batches, covering_batch, loss_of  # noqa: E402
-from _sharded_parity import compare, local_pieces, train_and_compare  # noqa: E402
+from _models import ManyTableModel, covering_batch, loss_of  # noqa: E402
+from _sharded_parity import local_pieces, step_side_by_side, train_and_compare  # noqa: E402
 from sharders.describe import kernel_rows  # noqa: E402
 
 SPLITTING = ("row_wise", "column_wise", "table_row_wise", "table_column_wise")
@@ -195,12 +195,7 @@ def mixed_model(rank, world_size, steps=4):
     for step in range(steps):
         generator = torch.Generator().manual_seed(900 + step)
         parts = [covering_batch(names, generator) for _ in range(world_size)]  # every row: Adam's lazy = dense
-        loss_of(dmp, parts[rank]).backward()
-        loss_of(reference, concat_batches(parts)).backward()
-        for opt in ref_opts:
-            opt.step()
-        reference.zero_grad()
-        compare(dmp, reference, names, step)
+        step_side_by_side(dmp, reference, ref_opts, names, parts, rank, step)
     return {n: (p.detach() - start[n]).abs().max().item() for n, p in reference.named_parameters()}
 
 
@@ -223,12 +218,7 @@ def untouched_shard(rank, world_size, steps=4):
     for step in range(steps):
         generator = torch.Generator().manual_seed(950 + step)
         parts = [_first_rows_batch(names, generator) for _ in range(world_size)]
-        loss_of(dmp, parts[rank]).backward()
-        loss_of(reference, concat_batches(parts)).backward()
-        for opt in ref_opts:
-            opt.step()
-        reference.zero_grad()
-        compare(dmp, reference, names, step)
+        step_side_by_side(dmp, reference, ref_opts, names, parts, rank, step)
     rounds = dmp.module.ebc.overlap_round.rounds
     untouched = {n: (reference.ebc.embedding_bags[n].weight.detach() - start[n])[6:].abs().max().item() for n in names}
     return {"rounds": rounds, "untouched_rows_moved": untouched}

@@ -180,33 +180,26 @@ def _spread(model):
     return max((g - gathered[0]).abs().max().item() for g in gathered)
 
 
-def all_checks(rank, world_size, directory):
-    return {
-        "averager": simulation_matches_periodic_model_averager(rank, world_size),
-        "cases": {name: ours_against_simulation(rank, world_size, name) for name in CASES},
-        "resume": mid_round_checkpoint(rank, world_size, directory),
-        "dmp": dmp_with_local_sgd(rank, world_size),
-    }
+def _adam_under_qsr(seed):
+    """(model, its DDP with our hook and a period-3 QSR, keyed optimizer, the QSR)."""
+    model = _mlp(seed=seed)
+    overlap_optim.apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 0.02})
+    sync = overlap_optim.QSR(alpha=0.0, base_period=3, average_state=("exp_avg",))
+    ddp = DistributedDataParallel(model)
+    overlap_optim.register_optimizer_hook(ddp, local_sgd=sync)
+    return model, ddp, overlap_optim.get_optimizers(ddp), sync
 
 
 def mid_round_checkpoint(rank, world_size, directory, steps=10, saved_at=4):
     """A checkpoint taken between averagings (each rank's own dense state) resumes bit-identically
     on the same world size: (largest difference from the uninterrupted run, the QSR's state then)."""
-    def fresh(seed):
-        model = _mlp(seed=seed)
-        overlap_optim.apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 0.02})
-        sync = overlap_optim.QSR(alpha=0.0, base_period=3, average_state=("exp_avg",))
-        ddp = DistributedDataParallel(model)
-        overlap_optim.register_optimizer_hook(ddp, local_sgd=sync)
-        return model, ddp, overlap_optim.get_optimizers(ddp), sync
-
-    model, ddp, keyed, sync = fresh(seed=3)
+    model, ddp, keyed, sync = _adam_under_qsr(seed=3)
     for step in range(steps):
         if step == saved_at:
             overlap_optim.checkpoint.save(directory, ddp, keyed, {"local_sgd": sync, "step": step})
             saved_state = sync.state_dict()
         _loss(ddp, _batches(step, world_size)[rank]).backward()
-    resumed, ddp2, keyed2, sync2 = fresh(seed=5)  # other weights, fresh optimizer state
+    resumed, ddp2, keyed2, sync2 = _adam_under_qsr(seed=5)  # other weights, fresh optimizer state
     overlap_optim.checkpoint.load(directory, ddp2, keyed2, {"local_sgd": sync2})
     assert sync2.state_dict() == saved_state
     for step in range(saved_at, steps):
@@ -217,57 +210,12 @@ def mid_round_checkpoint(rank, world_size, directory, steps=10, saved_at=4):
 
 def load_on_one_rank(rank, world_size, directory):
     """The mid-round 2-rank checkpoint on 1 rank: refused, naming why."""
-    model = _mlp()
-    overlap_optim.apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 0.02})
-    ddp = DistributedDataParallel(model)
-    overlap_optim.register_optimizer_hook(ddp, local_sgd=overlap_optim.QSR(alpha=0.0, base_period=3))
+    _, ddp, keyed, sync = _adam_under_qsr(seed=0)
     try:
-        overlap_optim.checkpoint.load(directory, ddp, overlap_optim.get_optimizers(ddp))
+        overlap_optim.checkpoint.load(directory, ddp, keyed, {"local_sgd": sync})
     except overlap_optim.checkpoint.CheckpointError as err:
         return str(err)
     return "loaded"
-
-
-def all_checks(rank, world_size, directory):
-    return {
-        "averager": simulation_matches_periodic_model_averager(rank, world_size),
-        "cases": {name: ours_against_simulation(rank, world_size, name) for name in CASES},
-        "resume": mid_round_checkpoint(rank, world_size, directory),
-        "dmp": dmp_with_local_sgd(rank, world_size),
-    }
-
-
-def resume_and_refusal(rank, world_size, steps=10, saved_at=4):
-    """Mid-round: checkpoint.save is refused on every rank; each rank's own state (model, keyed
-    optimizer, QSR) resumes and continues exactly as the uninterrupted run."""
-    import tempfile
-
-    def fresh():
-        model = _mlp(seed=3)
-        overlap_optim.apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 0.02})
-        sync = overlap_optim.QSR(alpha=0.0, base_period=3, average_state=("exp_avg",))
-        ddp = DistributedDataParallel(model)
-        overlap_optim.register_optimizer_hook(ddp, local_sgd=sync)
-        return model, ddp, overlap_optim.get_optimizers(ddp), sync
-
-    model, ddp, keyed, sync = fresh()
-    snapshot, refusal = None, ""
-    for step in range(steps):
-        if step == saved_at:
-            try:
-                overlap_optim.checkpoint.save(tempfile.mkdtemp(), ddp, keyed)
-            except ValueError as err:
-                refusal = str(err)
-            snapshot = copy.deepcopy((model.state_dict(), keyed.state_dict(), sync.state_dict()))
-        _loss(ddp, _batches(step, world_size)[rank]).backward()
-    resumed, ddp2, keyed2, sync2 = fresh()
-    resumed.load_state_dict(snapshot[0])
-    keyed2.load_state_dict(snapshot[1])
-    sync2.load_state_dict(snapshot[2])
-    for step in range(saved_at, steps):
-        _loss(ddp2, _batches(step, world_size)[rank]).backward()
-    diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), resumed.parameters()))
-    return {"refusal": refusal, "resume_diff": diff, "spread_at_save": snapshot[2]}
 
 
 def dmp_with_local_sgd(rank, world_size, steps=7, period=3):
@@ -342,3 +290,12 @@ def dmp_with_local_sgd(rank, world_size, steps=7, period=3):
         dist.all_gather(gathered, flat)
         spreads.append(max((g - gathered[0]).abs().max().item() for g in gathered))
     return {"spreads": spreads, "periods": sync.period}
+
+
+def all_checks(rank, world_size, directory):
+    return {
+        "averager": simulation_matches_periodic_model_averager(rank, world_size),
+        "cases": {name: ours_against_simulation(rank, world_size, name) for name in CASES},
+        "resume": mid_round_checkpoint(rank, world_size, directory),
+        "dmp": dmp_with_local_sgd(rank, world_size),
+    }

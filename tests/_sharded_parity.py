@@ -82,6 +82,20 @@ def compare(dmp, reference, names, step, atol=1e-5):
     return dense_diff
 
 
+def step_side_by_side(dmp, reference, ref_opts, names, parts, rank, step, user=None):
+    """One step: ours on this rank's part (then ``user``'s optimizer, if any), the reference on the
+    global batch with its torch.optim optimizers; then every weight compared."""
+    loss_of(dmp, parts[rank]).backward()
+    if user is not None:
+        user.step()
+        user.zero_grad()
+    loss_of(reference, concat_batches(parts)).backward()
+    for opt in ref_opts:
+        opt.step()
+    reference.zero_grad()
+    compare(dmp, reference, names, step)
+
+
 def warmup_then_decay(step: int) -> float:
     return (step + 1) / 4 if step < 4 else 0.7 ** (step - 3)
 

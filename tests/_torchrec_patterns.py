@@ -18,7 +18,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 import overlap_optim
 import sharders
 from _models import ROWS, ManyTableModel, concat_batches, covering_batch, loss_of
-from _sharded_parity import SHARDING_TYPES, build, compare, local_pieces
+from _sharded_parity import SHARDING_TYPES, build, compare, local_pieces, step_side_by_side
 
 # Table -> its optimizer, None for a table left to the user's optimizer.
 TABLES = {
@@ -76,14 +76,7 @@ def _train(dmp, reference, ref_opts, user, names, rank, world_size, steps=3, cov
     for step in range(steps):
         generator = torch.Generator().manual_seed(300 + step)
         parts = [covering_batch(names, generator, cover=cover) for _ in range(world_size)]
-        loss_of(dmp, parts[rank]).backward()
-        user.step()
-        user.zero_grad()
-        loss_of(reference, concat_batches(parts)).backward()
-        for opt in ref_opts:
-            opt.step()
-        reference.zero_grad()
-        compare(dmp, reference, names, step)
+        step_side_by_side(dmp, reference, ref_opts, names, parts, rank, step, user=user)
     return {n: (p.detach() - start[n]).abs().max().item() for n, p in reference.named_parameters()}
 
 
