@@ -426,8 +426,7 @@ def _without_local_sgd(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if launch.under_torchrun():
-        run_rank(args)
-        return 0
+        return launch.run_rank(run_rank, args)
     try:
         args.data_dir = movielens_data.fetch(args.cache_dir, args.data_dir)
     except movielens_data.DataUnavailable as err:

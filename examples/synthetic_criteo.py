@@ -129,8 +129,7 @@ def run_rank(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if launch.under_torchrun():
-        run_rank(args)
-        return 0
+        return launch.run_rank(run_rank, args)
     return launch.relaunch(__file__, list(argv if argv is not None else sys.argv[1:]), args.world_size)
 
 

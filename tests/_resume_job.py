@@ -9,6 +9,7 @@ At the end, every rank saves the final state to ``--out``.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import sys
@@ -54,3 +55,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # join gloo's worker threads before the interpreter exits: see examples/launch.py run_rank
