@@ -28,7 +28,7 @@ def kernel_rows(model: nn.Module) -> list[tuple[str, ...]]:
                 unwrapped_path(path),
                 str(index),
                 tables[0].sharding_type,
-                ", ".join(d.table for d in tables),
+                _table_names(tables),
                 _per_table(tables, _setting),
                 _per_table(tables, _runs_as),
                 _per_table(tables, lambda d: d.semantics),
@@ -37,13 +37,19 @@ def kernel_rows(model: nn.Module) -> list[tuple[str, ...]]:
     return rows
 
 
+def _table_names(tables: list[TableDecision]) -> str:
+    """The kernel's tables, each once: ``t0 (2 shards)`` where it holds several shards of one."""
+    names = [d.table for d in tables]
+    return ", ".join(n if names.count(n) == 1 else f"{n} ({names.count(n)} shards)" for n in dict.fromkeys(names))
+
+
 def _per_table(tables: list[TableDecision], column) -> str:
     """The column's value, once if every table of the kernel agrees, else ``table: value`` for each
     (the tables of a virtual group share a fallback kernel with settings that differ in floats)."""
-    values = [column(d) for d in tables]
-    if len(set(values)) == 1:
-        return values[0]
-    return "; ".join(f"{d.table}: {v}" for d, v in zip(tables, values))
+    values = {d.table: column(d) for d in tables}
+    if len(set(values.values())) == 1:
+        return next(iter(values.values()))
+    return "; ".join(f"{table}: {v}" for table, v in values.items())
 
 
 def describe(model: nn.Module) -> str:
@@ -51,7 +57,8 @@ def describe(model: nn.Module) -> str:
     optimizer and settings (each table's, where the tables of a fallback kernel
     differ in float settings: one virtual group), fused or fallback, its semantics ("lazy": only the
     rows a batch touched change; "dense": every row steps, untouched ones on a
-    zero gradient), and for a fallback which setting prevented fusion.
+    zero gradient), and for a fallback which setting prevented fusion. A kernel that
+    holds several shards of one table (column shards, say) names it once, with the count.
 
     Under ``torch.distributed`` this is a collective: call it on every rank; each
     returns the whole table.

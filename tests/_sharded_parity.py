@@ -19,15 +19,16 @@ COLUMN_SPLITTING = ("column_wise", "table_column_wise")
 
 
 def build(names, settings, sharding_type, world_size, sharder=None, dense=None, comm=None, together=False,
-          pinned_dense=(), seed=0, dense_layers=(0,)):
+          pinned_dense=(), seed=0, dense_layers=(0,), dim=8):
     """(sharded DMP model, unsharded reference, reference optimizers) from one seed.
 
     ``sharding_type``: one for every table, or a dict table -> type.
     ``dense=(cls, kwargs)`` also annotates the MLP and wraps it with our DataParallelWrapper.
     ``together``: annotate all tables in one call (one param group; settings must agree).
     ``pinned_dense``: tables the sharder pins to the fallback (``fallback_tables``).
+    ``dim``: the tables' width; shards are at least 4 rows or columns (16: four column shards).
     """
-    model = ManyTableModel(names, seed=seed)
+    model = ManyTableModel(names, seed=seed, dim=dim)
     reference = copy.deepcopy(model)
     if together:
         apply_optimizer_in_backward(*settings[0][:1], [model.ebc.embedding_bags[n].weight for n in names], settings[0][1])
@@ -102,7 +103,7 @@ def warmup_then_decay(step: int) -> float:
 
 def train_and_compare(
     rank, world_size, names, settings, sharding_type, steps=3, cover=True, dense=None, comm=None, schedule=None,
-    change=None, pinned=(),
+    change=None, pinned=(), dim=8,
 ):
     """Train sharded and reference side by side; compare after every step. Returns how far
     the reference moved, per table (and ``"dense"``: the MLP).
@@ -113,7 +114,7 @@ def train_and_compare(
     the MLP), to change settings by hand. ``pinned``: tables pinned to the fallback.
     """
     dmp, reference, ref_opts = build(names, settings, sharding_type, world_size, dense=dense, comm=comm,
-                                     pinned_dense=pinned)
+                                     pinned_dense=pinned, dim=dim)
     atol, dense_diff = (1e-3 if comm else 1e-5), 0.0  # compression costs precision everywhere
     start = {n: reference.ebc.embedding_bags[n].weight.detach().clone() for n in names}
     dense_start = [p.detach().clone() for p in reference.dense.parameters()]
@@ -407,3 +408,35 @@ def _live_setting_errors(rank, world_size):
     errors["dense_adam_amsgrad"] = run(["t_sgd"], [(torch.optim.SGD, {"lr": 0.1})], "row_wise",
                                        set_key(1, "amsgrad", True), dense=(torch.optim.Adam, {"lr": 0.02}))
     return errors
+
+
+def two_shards_per_rank(rank, world_size, directory, steps=3):
+    """Tables 16 wide in four column shards of 4: each rank holds two shards of every table.
+    Fused, fallback and cross-shard (layer-wise) tables are compared with torch.optim after
+    every step; then a checkpoint is saved, ours takes a step the reference does not, the
+    checkpoint is loaded, and both go on side by side. Returns each table's local pieces."""
+    from pytorch_optimizer import Lamb
+
+    from overlap_optim import checkpoint
+
+    settings = {"fused": (torch.optim.Adagrad, {"lr": 0.2}), "fallback": (torch.optim.Adam, {"lr": 0.05}),
+                "adafactor": (torch.optim.Adafactor, {"lr": 0.05}), "lamb": (Lamb, {"lr": 0.05, "weight_decay": 0.01})}
+    names = list(settings)
+    dmp, reference, ref_opts = build(names, list(settings.values()), "column_wise", world_size, dim=16)
+    keyed = overlap_optim.get_optimizers(dmp)
+    pieces = {n: [(row, col, tuple(p.shape)) for row, col, p in local_pieces(dmp, n)] for n in names}
+    start = {n: reference.ebc.embedding_bags[n].weight.detach().clone() for n in names}
+
+    def parts_of(step):
+        generator = torch.Generator().manual_seed(300 + step)
+        return [covering_batch(names, generator) for _ in range(world_size)]
+
+    for step in range(steps):
+        step_side_by_side(dmp, reference, ref_opts, names, parts_of(step), rank, step)
+    checkpoint.save(directory, dmp, keyed, {"step": steps})
+    loss_of(dmp, parts_of(99)[rank]).backward()  # ours only: the load must undo it, state included
+    checkpoint.load(directory, dmp, keyed, {})
+    for step in range(steps, steps + 2):
+        step_side_by_side(dmp, reference, ref_opts, names, parts_of(step), rank, step)
+    moved = {n: (reference.ebc.embedding_bags[n].weight.detach() - start[n]).abs().max().item() for n in names}
+    return {"pieces": pieces, "moved": moved, "runs_as": sharders.describe(dmp)}
