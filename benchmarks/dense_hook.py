@@ -13,7 +13,10 @@ Peers, same process group, alternating in one run:
   Its own code crashes on CPU (``torch.accelerator.current_stream()``), so the
   benchmark reproduces that algorithm without the stream handling;
 - ``ddp_foreach``: plain DDP, then ``torch.optim.Adam(foreach=True)`` over three
-  param groups after backward.
+  param groups after backward;
+- ``ours_fused`` and ``ddp_fused``: the same two with ``fused=True``, torch's one-pass
+  Adam kernel. Ours then steps each annotation group's share of a bucket in one
+  ``torch.optim`` call, as torch steps a param group.
 
 Peak RSS is measured per peer in a group of its own (``ru_maxrss`` of each rank).
 """
@@ -50,10 +53,10 @@ def _thirds(model: nn.Sequential) -> list[list[torch.Tensor]]:
     return [[p for m in linears[i * third : (i + 1) * third] for p in m.parameters()] for i in range(3)]
 
 
-def _ours(layers: int) -> DDP:
+def _ours(layers: int, **flags: bool) -> DDP:
     model = _tower(layers)
     for params, lr in zip(_thirds(model), LRS):
-        apply_optimizer_in_backward(torch.optim.Adam, params, {"lr": lr})
+        apply_optimizer_in_backward(torch.optim.Adam, params, {"lr": lr, **flags})
     ddp = DDP(model)
     register_optimizer_hook(ddp)
     return ddp
@@ -92,13 +95,13 @@ def _torch_algorithm_hook(ddp: DDP, bucket: dist.GradBucket) -> torch.futures.Fu
     return done
 
 
-def _ddp_foreach(layers: int):
+def _ddp_plain(layers: int, **flags: bool):
     model = _tower(layers)
-    optimizer = torch.optim.Adam([{"params": p, "lr": lr} for p, lr in zip(_thirds(model), LRS)], foreach=True)
+    optimizer = torch.optim.Adam([{"params": p, "lr": lr} for p, lr in zip(_thirds(model), LRS)], **flags)
     return DDP(model), optimizer
 
 
-PEERS = ("ours", "torch_in_backward", "ddp_foreach")
+PEERS = ("ours", "torch_in_backward", "ddp_foreach", "ours_fused", "ddp_fused")
 # Forward and backward under plain DDP with no update at all: what every peer pays anyway.
 BASELINE = "ddp_no_update"
 
@@ -110,8 +113,8 @@ def _steps(layers: int, batch: int, rank: int, peers=PEERS) -> dict:
     def in_backward(ddp: DDP):
         return lambda: ddp(x).square().mean().backward()
 
-    def plain_step():
-        plain, optimizer = _ddp_foreach(layers)
+    def plain_step(**flags: bool):
+        plain, optimizer = _ddp_plain(layers, **flags)
 
         def step() -> None:
             plain(x).square().mean().backward()
@@ -124,7 +127,9 @@ def _steps(layers: int, batch: int, rank: int, peers=PEERS) -> dict:
         BASELINE: lambda: in_backward(DDP(_tower(layers))),
         "ours": lambda: in_backward(_ours(layers)),
         "torch_in_backward": lambda: in_backward(_torch_in_backward(layers)),
-        "ddp_foreach": plain_step,
+        "ddp_foreach": lambda: plain_step(foreach=True),
+        "ours_fused": lambda: in_backward(_ours(layers, fused=True)),
+        "ddp_fused": lambda: plain_step(fused=True),
     }
     return {peer: build[peer]() for peer in peers}
 
@@ -153,10 +158,13 @@ def run(quick: bool) -> dict:
         timings.update({f"{peer} (batch {batch})": t for peer, t in timed.items()})
         ratios[f"torch_in_backward / ours, batch {batch} (target >= 2)"] = timed["torch_in_backward"]["median_s"] / ours
         ratios[f"ddp_foreach / ours, batch {batch} (target >= 1)"] = timed["ddp_foreach"]["median_s"] / ours
+        ratios[f"ddp_fused / ours_fused, batch {batch} (target >= 1)"] = (
+            timed["ddp_fused"]["median_s"] / timed["ours_fused"]["median_s"])
+        ratios[f"ddp_foreach / ours_fused, batch {batch}"] = timed["ddp_foreach"]["median_s"] / timed["ours_fused"]["median_s"]
         base = timed[BASELINE]["median_s"]
         ratios[f"update cost (step - {BASELINE}): torch_in_backward / ours, batch {batch}"] = (
             timed["torch_in_backward"]["median_s"] - base) / max(ours - base, 1e-9)
-    memory = {peer: max(run_ranks(_memory, peer, layers, batches[-1], 3 if quick else 10)) for peer in PEERS}
+    memory = {peer: max(run_ranks(_memory, peer, layers, batches[-1], 3 if quick else 10)) for peer in PEERS[:3]}
     ratios["peak RSS ours / torch_in_backward"] = memory["ours"] / memory["torch_in_backward"]
     ratios["peak RSS ours / ddp_foreach"] = memory["ours"] / memory["ddp_foreach"]
     return {

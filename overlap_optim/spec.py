@@ -180,15 +180,19 @@ class AnnotationGroup:
         order: when the group was made, counted per process: groups made by
             the same annotation code have the same order on every rank, and
             ``get_optimizers`` lists param groups in that order.
+        together: for a group that asks torch for ``foreach`` or ``fused``, the
+            optimizers that step a set of its tensors in one call (a DDP bucket's
+            share, say), by the set's tensor ids; see :mod:`overlap_optim.update`.
     """
 
-    __slots__ = ("spec", "param_group", "order")
+    __slots__ = ("spec", "param_group", "order", "together")
     _made = itertools.count()
 
     def __init__(self, spec: OptimizerSpec) -> None:
         self.spec = spec
         self.param_group: dict[str, Any] = {**spec.defaults, "params": []}
         self.order = next(AnnotationGroup._made)
+        self.together: dict[tuple[int, ...], torch.optim.Optimizer] = {}
 
     @property
     def optimizer_class(self) -> type[torch.optim.Optimizer]:

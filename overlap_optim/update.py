@@ -38,14 +38,20 @@ _PLACEHOLDER = "_overlap_placeholder_state"
 
 def step_params(params: list[torch.Tensor]) -> None:
     """Step every param (each has ``.grad`` set) and release its grad: one multi-tensor
-    update per virtual group, the param's own ``torch.optim`` step for the rest."""
+    update per virtual group; one ``torch.optim`` step per annotation group for a group
+    that asks torch for ``foreach`` or ``fused`` (as ``torch.optim`` steps a param group);
+    the param's own ``torch.optim`` step for the rest."""
     sets: dict[VirtualKey, list[torch.Tensor]] = {}
-    checked: set[int] = set()
+    together: dict[int, list[torch.Tensor]] = {}
+    steps_together: dict[int, bool] = {}  # per group, after its fixed settings are checked
     for param in params:
         group = param._overlap_group
-        if id(group) not in checked:  # before virtual_key reads the fixed settings
+        if id(group) not in steps_together:  # before virtual_key reads the fixed settings
             check_live(param)
-            checked.add(id(group))
+            steps_together[id(group)] = _steps_together(group)
+        if steps_together[id(group)]:
+            together.setdefault(id(group), []).append(param)
+            continue
         key = virtual_key(group.spec, group.param_group, param)
         if key is None:
             step_param(param)
@@ -57,6 +63,33 @@ def step_params(params: list[torch.Tensor]) -> None:
         multi_tensor_step(members[0]._overlap_group.spec, members, [p.grad for p in members], states, hypers)
         for p in members:
             p.grad = None
+    for members in together.values():
+        _step_together(members)
+
+
+def _steps_together(group: AnnotationGroup) -> bool:
+    """The user asked torch for its multi-tensor (``foreach``) or fused kernel, and the
+    optimizer keeps no state in its param group (which one call for many tensors would share)."""
+    flags = group.param_group
+    return bool(flags.get("foreach") or flags.get("fused")) and not group.spec.group_state
+
+
+def _step_together(members: list[torch.Tensor]) -> None:
+    """One ``optimizer.step()`` over ``members`` (all of one annotation group), as ``torch.optim``
+    with ``foreach``/``fused`` steps a param group. Each tensor's state stays its own live
+    optimizer's: the stepping optimizer reads and writes those very dicts, linked anew at every
+    step (a checkpoint load replaces them)."""
+    group = members[0]._overlap_group
+    key = tuple(id(p) for p in members)
+    optimizer = group.together.get(key)
+    if optimizer is None:  # the tensors stay alive while it holds them: their ids stay theirs
+        optimizer = group.together[key] = group.spec.make(members)
+    for p in members:
+        optimizer.state[p] = _real_state(p, live_optimizer(p))
+    optimizer.param_groups[0].update(group.hyperparameters())
+    optimizer.step()
+    for p in members:
+        p.grad = None
 
 
 def step_tables(updates: list[tuple[TableOptimizer, torch.Tensor, torch.Tensor]]) -> None:

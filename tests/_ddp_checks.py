@@ -29,6 +29,12 @@ CASES = {
         (4, torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
     ],
     "adagrad_per_param": [(i, torch.optim.Adagrad, {"lr": 0.05}) for i in (0, 2, 4)],  # not fused: own step
+    # torch's own kernels asked for: each annotation call's share of a bucket in one torch.optim call
+    "fused_and_foreach": [
+        (0, torch.optim.Adam, {"lr": 0.01, "fused": True}),
+        (2, torch.optim.AdamW, {"lr": 0.003, "fused": True}),
+        (4, torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "foreach": True}),
+    ],
 }
 
 

@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 import torch
 
-from overlap_optim import apply_optimizer_in_backward
+from overlap_optim import apply_optimizer_in_backward, get_optimizers
 from overlap_optim.update import step_params
 from overlap_optim.virtual_groups import virtual_key
 
@@ -80,3 +80,76 @@ def test_other_optimizers_and_user_flags_take_their_own_step():
     step_params([asgd, forced])
     assert asgd.grad is None and forced.grad is None
     assert not torch.equal(asgd.detach(), torch.ones(2)) and not torch.equal(forced.detach(), torch.ones(2))
+
+
+TOGETHER = [
+    (torch.optim.Adam, {"lr": 0.01, "fused": True}),
+    (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1, "fused": True, "amsgrad": True}),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "fused": True}),
+    (torch.optim.Adagrad, {"lr": 0.1, "fused": True}),
+    (torch.optim.Adam, {"lr": 0.01, "foreach": True}),
+    (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5, "foreach": True}),
+]
+
+
+@pytest.mark.parametrize("cls, kwargs", TOGETHER, ids=[f"{c.__name__}-{i}" for i, (c, _) in enumerate(TOGETHER)])
+def test_foreach_and_fused_groups_step_as_torch_optim_steps_their_param_groups(cls, kwargs):
+    """Bitwise against ``cls(..., fused=True)`` (or ``foreach=True``) with one param group per
+    annotation, an lr changed by hand after step 1; each annotation group is one call."""
+    ours = _params()
+    reference = copy.deepcopy(ours)
+    lrs = (kwargs["lr"], kwargs["lr"] / 3, kwargs["lr"] * 2)
+    groups = []
+    for i, lr in enumerate(lrs):
+        apply_optimizer_in_backward(cls, ours[i::3], {**kwargs, "lr": lr})
+        groups.append(ours[i]._overlap_group.param_group)
+    ref_opt = cls([{"params": reference[i::3], "lr": lr} for i, lr in enumerate(lrs)], **kwargs)
+    steps = mock.patch.object(cls, "step", autospec=True, side_effect=cls.step)
+    start = [q.detach().clone() for q in reference]
+    for step in range(4):
+        grads = [torch.randn_like(p) for p in ours]
+        for p, q, g in zip(ours, reference, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        with steps as counted:
+            step_params(ours)
+        assert counted.call_count == 3 and all(p.grad is None for p in ours)  # one per annotation group
+        ref_opt.step()
+        if step == 0:
+            for mine, theirs in zip(groups, ref_opt.param_groups):
+                mine["lr"] = theirs["lr"] = theirs["lr"] * 0.5
+        for p, q in zip(ours, reference):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0, msg=f"step {step}")
+    assert min((q.detach() - s).abs().max().item() for q, s in zip(reference, start)) > 1e-3
+    # the state is each tensor's own live optimizer's, as a checkpoint reads it
+    live = ours[0]._in_backward_optimizers[0].state[ours[0]]
+    assert live and all(torch.equal(live[k], v) for k, v in ref_opt.state[reference[0]].items())
+
+
+def test_a_fused_group_resumes_from_its_checkpoint_exactly():
+    """The stepping optimizer links each tensor's state anew at every step: after
+    ``load_state_dict`` replaces those dicts, it steps the loaded state, not the old."""
+    ours = torch.nn.ParameterList(_params())
+    reference = copy.deepcopy(ours)
+    apply_optimizer_in_backward(torch.optim.Adam, list(ours), {"lr": 0.05, "fused": True})
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.05, fused=True)
+    keyed = get_optimizers(ours)
+
+    def step(batch, models):
+        generator = torch.Generator().manual_seed(batch)
+        for p, q in zip(ours, reference):
+            p.grad = torch.randn(p.shape, generator=generator)
+            q.grad = p.grad.clone()
+        step_params(list(ours))
+        if reference in models:
+            ref_opt.step()
+
+    for batch in range(2):
+        step(batch, (ours, reference))
+    saved, weights = copy.deepcopy(keyed.state_dict()), copy.deepcopy(ours.state_dict())
+    step(99, (ours,))  # ours only: the load must undo it
+    ours.load_state_dict(weights)
+    keyed.load_state_dict(saved)
+    for batch in range(2, 4):
+        step(batch, (ours, reference))
+        for p, q in zip(ours, reference):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0, msg=f"batch {batch}")
