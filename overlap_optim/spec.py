@@ -34,6 +34,7 @@ and its live param group.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import itertools
 import math
@@ -93,9 +94,9 @@ class OptimizerSpec:
     def name(self) -> str:
         return self.optimizer_class.__name__
 
-    @property
+    @functools.cached_property
     def share_key(self) -> tuple[Any, ...]:
-        """Equal for specs that differ only in float settings."""
+        """Equal for specs that differ only in float settings (computed once: the spec is frozen)."""
         return (self.optimizer_class, tuple(sorted((k, repr(v)) for k, v in self.fixed.items())))
 
     def make(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
