@@ -15,7 +15,8 @@ foreach ops allow), for SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam and
 RAdam; the state is created and named as ``torch.optim`` creates and names it,
 so it is the live optimizers' own state. Any other class, or a group that sets
 ``foreach``/``fused``/``capturable``/``differentiable``, has no virtual group
-(:func:`virtual_key` is None) and keeps its own ``torch.optim`` step.
+(:func:`virtual_key` is None) and keeps ``torch.optim``'s own step: per tensor, or
+for ``foreach``/``fused`` one call per annotation group (:func:`overlap_optim.update.step_params`).
 
 The update takes tensors, gradients, state dicts and param-group dicts, so the
 same call serves dense parameters (the DDP comm hook, data-parallel tables) and
