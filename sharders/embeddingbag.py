@@ -56,6 +56,7 @@ from overlap_optim.ddp import install_optimizer_hook
 from overlap_optim.update import table_optimizer
 from sharders.fallback import FallbackEmbeddingBag
 from sharders.fbgemm import install_fused_kernel_hooks
+from sharders.live_settings import install_settings_check
 from sharders.layerwise import CrossShardTable, Geometry, LayerwiseRound, cross_shard_class, install_round
 from sharders.optimizer_table import COLUMN_SPLITTING, ROW_SPLITTING, KernelChoice, choose_kernel, semantics_of
 from sharders.table_state import ShardedTables
@@ -164,6 +165,7 @@ class EmbeddingBagCollectionSharder(_TorchRecSharder):
         _mark_updated_in_backward(sharded, decisions)
         fused = [k for lookup, k in kernels_of(sharded) if _is_fused(lookup, k)]
         install_fused_kernel_hooks(fused, {n: d.group for n, d in decisions.items()}, device.type)
+        install_settings_check(sharded, decisions, device.type)
         for name, decision in decisions.items():  # the sharded module holds the tables now
             if decision.group is None:
                 continue

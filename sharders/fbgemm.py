@@ -29,9 +29,9 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 
 from overlap_optim.spec import AnnotationGroup
-from sharders.optimizer_table import choose_kernel
+from sharders.optimizer_table import KernelChoice, choose_kernel
 
-__all__ = ["FUSED_ROW_STATE", "install_fused_kernel_hooks", "sync_live_settings"]
+__all__ = ["FUSED_ROW_STATE", "install_fused_kernel_hooks", "live_choice", "sync_live_settings"]
 
 # Per-row state of each fused kernel type: torch.optim name -> row-wise (one value per row)?
 FUSED_ROW_STATE = {
@@ -52,14 +52,13 @@ def install_fused_kernel_hooks(kernels: Iterable[nn.Module], groups: dict[str, A
         kernel.register_forward_hook(_count_step_in_backward)
 
 
-def sync_live_settings(kernel: nn.Module, _inputs: Any = None) -> None:
-    """Push the group's current settings into the kernel, or refuse those FBGEMM cannot compute."""
-    group: AnnotationGroup = kernel.overlap_group
-    where = f"fused table(s) {kernel.overlap_tables}"
+def live_choice(group: AnnotationGroup, tables: list[str], device_type: str) -> KernelChoice:
+    """FBGEMM's translation of the group's current settings; ValueError, naming ``tables`` and
+    the setting, if a change made at run time is one FBGEMM cannot compute."""
+    where = f"fused table(s) {tables}"
     group.spec.check_live(group.param_group, where)
     choice = choose_kernel(
-        group.optimizer_class, group.optimizer_kwargs, kernel.overlap_device_type,
-        table=kernel.overlap_tables[0], settings=group.param_group,
+        group.optimizer_class, group.optimizer_kwargs, device_type, table=tables[0], settings=group.param_group
     )
     if not choice.fused:
         raise ValueError(
@@ -67,6 +66,12 @@ def sync_live_settings(kernel: nn.Module, _inputs: Any = None) -> None:
             "and the fused FBGEMM kernel cannot apply it exactly. Annotate the table with that setting from "
             "the start, or run it in the fallback: EmbeddingBagCollectionSharder(fallback_tables=[...])"
         )
+    return choice
+
+
+def sync_live_settings(kernel: nn.Module, _inputs: Any = None) -> None:
+    """Push the group's current settings into the kernel, or refuse those FBGEMM cannot compute."""
+    choice = live_choice(kernel.overlap_group, kernel.overlap_tables, kernel.overlap_device_type)
     emb = kernel.emb_module
     emb.set_learning_rate(choice.fbgemm_kwargs["learning_rate"])
     eps = choice.fbgemm_kwargs.get("eps")

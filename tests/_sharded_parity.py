@@ -385,7 +385,8 @@ def live_settings(rank, world_size):
 
 
 def _live_setting_errors(rank, world_size):
-    """Each on row_wise or data_parallel, where every rank holds the table and raises alike."""
+    """Each on row_wise or data_parallel, where every rank holds the table; then two on table_wise,
+    where one rank holds the changed table."""
     errors = {}
 
     def run(names, settings, sharding_type, before_step, pinned=(), dense=None):
@@ -407,6 +408,11 @@ def _live_setting_errors(rank, world_size):
     errors["data_parallel_adam_amsgrad"] = run(["t_adam"], adam, "data_parallel", set_key(0, "amsgrad", True))
     errors["dense_adam_amsgrad"] = run(["t_sgd"], [(torch.optim.SGD, {"lr": 0.1})], "row_wise",
                                        set_key(1, "amsgrad", True), dense=(torch.optim.Adam, {"lr": 0.02}))
+    # table_wise, one table per rank: the rank without the changed table must raise alike, not wait
+    errors["table_wise_fused_adagrad_weight_decay"] = run(["t_ada", "t_other"], adagrad * 2, "table_wise",
+                                                          set_key(0, "weight_decay", 0.01))
+    errors["table_wise_fallback_adam_amsgrad"] = run(["t_adam", "t_other"], adam * 2, "table_wise",
+                                                     set_key(0, "amsgrad", True))
     return errors
 
 

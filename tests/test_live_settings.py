@@ -17,8 +17,13 @@ from _sharded_parity import live_settings
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_ranks(live_settings, timeout=600)[0]
+def ranks():
+    return run_ranks(live_settings, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def results(ranks):
+    return ranks[0]
 
 
 @pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise", "data_parallel"])
@@ -87,3 +92,17 @@ def test_dense_parameter_refuses_a_non_float_setting_changed_at_run_time():
     with pytest.raises(ValueError, match=r"a parameter of shape \(\d+(, \d+)?,?\) in param group \d+ \(Adam\): Adam's setting "
                                          r"amsgrad=True was changed at run time \(annotated with False\)"):
         ours(torch.randn(2, 4)).sum().backward()
+
+
+@pytest.mark.parametrize("case, pattern", [
+    ("table_wise_fused_adagrad_weight_decay",
+     r"ValueError: fused table\(s\) \['t_ada'\]: weight_decay=0.01: FBGEMM's EXACT_ADAGRAD has no .* changed at run"),
+    ("table_wise_fallback_adam_amsgrad",
+     r"ValueError: table 't_adam': Adam's setting amsgrad=True was changed at run time \(annotated with False\)"),
+])
+def test_a_refusal_on_a_table_held_by_one_rank_is_raised_on_every_rank(ranks, case, pattern):
+    """Before sharders/live_settings.py the rank without the table went on to the next all-to-all
+    and waited there: the group hung until the harness killed it."""
+    errors = [rank["errors"][case] for rank in ranks]
+    assert re.search(pattern, errors[0]), errors[0]
+    assert errors[1] == errors[0]
