@@ -166,7 +166,9 @@ def _timed(rank: int, world_size: int, rows: int, bags: int, pooling: int, warmu
 
 
 def _round(dmp: nn.Module):
-    return next(m.overlap_round for m in dmp.modules() if hasattr(m, "overlap_round"))
+    import sharders
+
+    return next(sharders.plan_of(m).round for m in dmp.modules() if sharders.plan_of(m) is not None)
 
 
 # -- 3. communication -----------------------------------------------------------------------------
@@ -214,7 +216,7 @@ def _all_reduces(rank: int, world_size: int, optimizer: type) -> dict:
         dmp(kjt()).backward()
     finally:
         dist.all_reduce = original
-    found = [m.overlap_round for m in dmp.modules() if hasattr(m, "overlap_round")]
+    found = [_round(dmp)]
     return {"calls": len(calls), "bytes": sum(calls), "round_floats": found[0].size if found else 0}
 
 
@@ -256,7 +258,7 @@ def run(quick: bool) -> dict:
     comm = ranks[0]["comm"]
     extra_calls = comm["Adafactor"]["calls"] - comm["Adam"]["calls"]
     extra_bytes = comm["Adafactor"]["bytes"] - comm["Adam"]["bytes"]
-    from sharders.layerwise import AdafactorTable, Geometry
+    from sharders.cross_shard import AdafactorTable, Geometry
 
     slot = AdafactorTable.slot_size(Geometry((COMM_ROWS, DIM), (0, 0), 0))
     expected = COMM_TABLES * slot * 8

@@ -19,7 +19,7 @@ table_wise by our sharder under ``DistributedModelParallel``:
 - ``new``: today's grouping, the 6 tables form one virtual group and share one kernel
   (one lookup, one multi-tensor update with 6 learning rates);
 - ``old``: the grouping before virtual groups, one kernel per annotation, emulated by
-  patching ``sharders.embeddingbag._kernel_group`` while the model is sharded.
+  patching ``sharders.fallback.FallbackTable.batch_key`` while the model is sharded.
 """
 
 from __future__ import annotations
@@ -175,21 +175,15 @@ class Tables(nn.Module):
 @contextlib.contextmanager
 def old_grouping() -> Iterator[None]:
     """While sharding, fallback tables share a kernel only within one annotation, as before
-    virtual groups (``_kernel_group`` keyed by the annotation group)."""
-    import sharders.embeddingbag as embeddingbag
+    virtual groups (``FallbackTable.batch_key`` keyed by the annotation group)."""
+    from sharders.fallback import FallbackTable
 
-    new = embeddingbag._kernel_group
-
-    def one_kernel_per_annotation(decision):
-        if decision.group is not None and not decision.choice.fused:
-            return ("group", id(decision.group))
-        return new(decision)
-
-    embeddingbag._kernel_group = one_kernel_per_annotation
+    new = FallbackTable.batch_key
+    FallbackTable.batch_key = lambda table: ("group", id(table.group))
     try:
         yield
     finally:
-        embeddingbag._kernel_group = new
+        FallbackTable.batch_key = new
 
 
 def _sharded_tables(rows: int, old: bool) -> nn.Module:

@@ -15,10 +15,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.distributed.optim.apply_optimizer_in_backward import (
-    param_to_optim_hook_handle_map,
-)
 
+from overlap_optim import _private
 from overlap_optim.spec import AnnotationGroup, describe_optimizer, needs_closure
 from overlap_optim.update import live_optimizer, step_param
 
@@ -157,9 +155,9 @@ def _annotate(param: torch.Tensor, group: AnnotationGroup) -> None:
     group.param_group["params"].append(param)
     live_optimizer(param)
     handle = param.register_post_accumulate_grad_hook(step_param)
-    # The same map torch uses, so that DDP's lazy init finds and removes it.
-    param_to_optim_hook_handle_map.setdefault(param, []).append(handle)
-    # Not in that map: it outlives DDP's removal, and says what went wrong.
+    # The same registry torch uses, so that DDP's lazy init finds and removes it.
+    _private.add_in_backward_hook_handle(param, handle)
+    # Not in that registry: it outlives DDP's removal, and says what went wrong.
     param._overlap_guard = param.register_post_accumulate_grad_hook(_refuse_foreign_reduction)
 
 
@@ -170,8 +168,8 @@ def _refuse_foreign_reduction(param: torch.Tensor) -> None:
     (it crashes on CPU, and with no hook at all the optimizer would step on the
     local, unreduced gradient). ``register_optimizer_hook`` removes this guard.
     """
-    handles = param_to_optim_hook_handle_map.get(param, [])
-    if handles and all(_alive(h) for h in handles):
+    handles = _private.in_backward_hook_handles(param)
+    if handles and all(_private.hook_handle_alive(h) for h in handles):
         return
     group = param._overlap_group
     raise RuntimeError(
@@ -182,11 +180,6 @@ def _refuse_foreign_reduction(param: torch.Tensor) -> None:
     )
 
 
-def _alive(handle: Any) -> bool:
-    hooks = handle.hooks_dict_ref()
-    return hooks is not None and handle.id in hooks
-
-
 def remove_guard(param: torch.Tensor) -> None:
     """Drop the check of :func:`_refuse_foreign_reduction` (our DDP hook now updates ``param``)."""
     guard = param.__dict__.pop("_overlap_guard", None)
@@ -195,7 +188,7 @@ def remove_guard(param: torch.Tensor) -> None:
 
 
 def _remove_hooks(param: torch.Tensor) -> None:
-    for handle in param_to_optim_hook_handle_map.pop(param, []):
+    for handle in _private.pop_in_backward_hook_handles(param):
         handle.remove()
     remove_guard(param)
     old: AnnotationGroup | None = getattr(param, "_overlap_group", None)

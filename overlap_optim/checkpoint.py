@@ -35,11 +35,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from overlap_optim import local_sgd
+from overlap_optim._private import Shard, ShardedTensor, sharded_tensor_from_local_shards, sharded_tensor_process_group
 from overlap_optim.keyed import ddp_prefixes, unwrapped_name
 
 __all__ = ["save", "load", "latest", "CheckpointError"]
@@ -281,9 +281,7 @@ def _scratch_copy(tree: Any) -> Any:
         return [_scratch_copy(v) for v in tree]
     if isinstance(tree, ShardedTensor):  # same pieces, fresh storage
         shards = [Shard(torch.empty_like(s.tensor), s.metadata) for s in tree.local_shards()]
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards, tree.metadata(), process_group=tree._process_group
-        )
+        return sharded_tensor_from_local_shards(shards, tree.metadata(), sharded_tensor_process_group(tree))
     if isinstance(tree, torch.Tensor):
         return torch.empty_like(tree)
     return tree

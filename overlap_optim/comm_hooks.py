@@ -1,10 +1,20 @@
 """DDP communication hooks that run in-backward optimizers after the all-reduce.
 
-A bucket's gradients are reduced (plainly, or as an fp16/bf16 copy) and
-averaged first; only then do the annotated optimizers of that bucket's
-parameters step, in one foreach update per compatible set
-(:mod:`overlap_optim.update`), so every rank applies the update one process
-would on the global batch. When backward ends, the gradients of the stepped
+A hook is two parts, composed by :func:`optimizer_hook`:
+
+- a **reduction**, a plain DDP hook ``(state, bucket) -> Future[Tensor]`` whose
+  future holds the bucket's buffer once it is ready to step on, as in torch's
+  ``ddp_comm_hooks/default_hooks.py``: :func:`allreduce_hook` (averaged),
+  :func:`fp16_compress_hook` and :func:`bf16_compress_hook` (the same on a
+  compressed copy), and :func:`local_step_hook` (no reduction: a local step of
+  local SGD). A new reduction is a new function and an entry in :data:`REDUCTIONS`.
+- the **step**, :func:`step_bucket`: the annotated optimizers of the bucket's
+  parameters step, in one foreach update per compatible set
+  (:mod:`overlap_optim.update`), so every rank applies the update one process
+  would on the global batch.
+
+When backward ends (:meth:`OptimizerHookState.release`, run by the state's
+:class:`~overlap_optim.round.EndOfBackwardRound`), the gradients of the stepped
 parameters are set to None; unannotated parameters keep their averaged gradient.
 
 A DDP-managed tensor may stand for several annotated parameters: TorchRec keeps
@@ -18,15 +28,23 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch.autograd import Variable
 
+from overlap_optim.round import EndOfBackwardRound
 from overlap_optim.update import step_params
 
-__all__ = ["OptimizerHookState", "optimizer_hook", "COMM_DTYPES"]
+__all__ = [
+    "OptimizerHookState",
+    "optimizer_hook",
+    "allreduce_hook",
+    "fp16_compress_hook",
+    "bf16_compress_hook",
+    "local_step_hook",
+    "step_bucket",
+    "REDUCTIONS",
+]
 
 # (annotated parameter, function from the managed tensor's gradient to its own)
 Target = tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
-COMM_DTYPES = {"allreduce": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class OptimizerHookState:
@@ -36,11 +54,12 @@ class OptimizerHookState:
         process_group: the group DDP reduces over (None: the default group).
         targets: ``id(managed tensor) -> [(annotated param, grad view fn), ...]``.
         managed: the managed tensors whose gradient is released after backward.
-        comm: "allreduce", "fp16" or "bf16".
+        comm: a key of :data:`REDUCTIONS`: "allreduce", "fp16" or "bf16".
+        local_sgd: an :class:`overlap_optim.local_sgd.QSR`, or None.
     """
 
-    __slots__ = ("process_group", "world_size", "targets", "managed", "comm_dtype", "release_queued", "pending",
-                 "local_sgd", "local")
+    __slots__ = ("process_group", "world_size", "targets", "managed", "reduction", "local_sgd", "round",
+                 "pending", "running")
 
     def __init__(
         self,
@@ -54,27 +73,116 @@ class OptimizerHookState:
         self.world_size = dist.get_world_size(process_group)
         self.targets = targets
         self.managed = managed
-        self.comm_dtype = COMM_DTYPES[comm]
-        self.release_queued = False
-        self.pending: list[torch.futures.Future] = []
-        self.local_sgd = local_sgd  # an overlap_optim.local_sgd.QSR, or None
-        self.local = False  # this backward is a local step
+        self.reduction = REDUCTIONS[comm]
+        self.local_sgd = local_sgd
+        self.round = EndOfBackwardRound(process_group)
+        self.pending: list[torch.futures.Future] = []  # this backward's stepped buckets
+        self.running: Reduction | None = None  # this backward's reduction; None between two
 
     def release(self) -> None:
         """At the end of backward: wait for every bucket's update, then drop the stepped gradients.
 
-        It is queued at the first bucket, so it runs before DDP's own
+        It is deferred at the first bucket, so it runs before DDP's own
         finalisation (queued at the last), while an update may still be
         running on the communication thread: it must wait for all of them.
         """
+        local = self.running is local_step_hook
         pending, self.pending = self.pending, []
         for future in pending:
             future.wait()  # also raises what an update raised
         for param in self.managed:
             param.grad = None
-        self.release_queued = False
-        if self.local_sgd is not None and self.local_sgd.finish_step(self.local):
+        self.running = None
+        if self.local_sgd is not None and self.local_sgd.finish_step(local):
             self.local_sgd.average_now()  # the round's last step: average, after the updates
+
+
+Reduction = Callable[[OptimizerHookState, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+
+
+def optimizer_hook(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Reduce the bucket with this backward's reduction, then step the annotated parameters in it."""
+    reduction = state.running or _start_backward(state)
+    stepped = reduction(state, bucket).then(lambda _: step_bucket(state, bucket))
+    state.pending.append(stepped)
+    return stepped
+
+
+def _start_backward(state: OptimizerHookState) -> Reduction:
+    """At the first bucket of a backward: choose its reduction (a local step of local SGD, or the
+    state's own), and have :meth:`OptimizerHookState.release` run when it ends."""
+    local = state.local_sgd is not None and state.local_sgd.is_local()
+    state.round.defer(state.release)
+    state.round.arm()
+    state.running = local_step_hook if local else state.reduction
+    return state.running
+
+
+# -- reductions: (state, bucket) -> a future of the bucket's buffer, ready to step on --
+
+
+def allreduce_hook(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """All-reduce the bucket and average it (torch's ``allreduce_hook``)."""
+    return _allreduce_hook(state, bucket, None)
+
+
+def fp16_compress_hook(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """All-reduce an fp16 copy of the bucket and average it, then copy it back."""
+    return _allreduce_hook(state, bucket, torch.float16)
+
+
+def bf16_compress_hook(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """All-reduce a bf16 copy of the bucket and average it, then copy it back."""
+    return _allreduce_hook(state, bucket, torch.bfloat16)
+
+
+def local_step_hook(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """No reduction: each rank steps on its own gradient (a local step of local SGD)."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def _allreduce_hook(
+    state: OptimizerHookState, bucket: dist.GradBucket, dtype: torch.dtype | None
+) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket across ranks, all-reduced in ``dtype`` (None: the bucket's own)."""
+    buffer = bucket.buffer()
+    sent = buffer if dtype is None else buffer.to(dtype)
+    sent.div_(state.world_size)
+    reduced = dist.all_reduce(sent, group=state.process_group, async_op=True).get_future()
+
+    def unpack(done: torch.futures.Future) -> torch.Tensor:
+        if dtype is not None:
+            buffer.copy_(done.value()[0])
+        return buffer
+
+    return reduced.then(unpack)
+
+
+REDUCTIONS: dict[str, Reduction] = {
+    "allreduce": allreduce_hook,
+    "fp16": fp16_compress_hook,
+    "bf16": bf16_compress_hook,
+}
+
+
+# -- the step, after any reduction --
+
+
+def step_bucket(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.Tensor:
+    """Give each annotated target its view of the bucket's gradient and step them all; an
+    unannotated parameter keeps its gradient, as under plain DDP. Returns the bucket's buffer."""
+    stepped = []
+    for param, grad in zip(bucket.parameters(), bucket.gradients()):
+        targets = state.targets.get(id(param))
+        if targets is None:
+            _keep_averaged(param, grad)
+        for target, view in targets or ():
+            target.grad = view(grad)
+            stepped.append(target)
+    step_params(stepped)
+    return bucket.buffer()
 
 
 def _keep_averaged(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -89,38 +197,3 @@ def _keep_averaged(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad = grad.detach().clone()
     else:
         param.grad.copy_(grad)
-
-
-def optimizer_hook(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Reduce and average the bucket, then step the annotated parameters in it. On a local
-    step (local SGD) nothing is reduced: each rank steps on its own gradient."""
-    buffer = bucket.buffer()
-    if not state.release_queued:  # the first bucket of this backward
-        state.local = state.local_sgd is not None and state.local_sgd.is_local()
-        Variable._execution_engine.queue_callback(state.release)
-        state.release_queued = True
-    if state.local:
-        future = torch.futures.Future()
-        future.set_result([buffer])
-    else:
-        sent = buffer if state.comm_dtype is None else buffer.to(state.comm_dtype)
-        sent.div_(state.world_size)
-        future = dist.all_reduce(sent, group=state.process_group, async_op=True).get_future()
-
-    def step(done: torch.futures.Future) -> torch.Tensor:
-        if state.comm_dtype is not None and not state.local:
-            buffer.copy_(done.value()[0])
-        stepped = []
-        for param, grad in zip(bucket.parameters(), bucket.gradients()):
-            targets = state.targets.get(id(param))
-            if targets is None:
-                _keep_averaged(param, grad)
-            for target, view in targets or ():
-                target.grad = view(grad)
-                stepped.append(target)
-        step_params(stepped)
-        return buffer
-
-    stepped_future = future.then(step)
-    state.pending.append(stepped_future)
-    return stepped_future

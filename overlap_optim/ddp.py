@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-from torch.distributed.optim.apply_optimizer_in_backward import param_to_optim_hook_handle_map
 from torch.nn.parallel import DistributedDataParallel
 
+from overlap_optim import _private
 from overlap_optim.annotation import remove_guard
-from overlap_optim.comm_hooks import COMM_DTYPES, OptimizerHookState, optimizer_hook
+from overlap_optim.comm_hooks import REDUCTIONS, OptimizerHookState, optimizer_hook
 from overlap_optim.local_sgd import QSR, AveragedModel
 
 __all__ = ["register_optimizer_hook"]
@@ -48,13 +48,13 @@ def register_optimizer_hook(
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"register_optimizer_hook takes a DistributedDataParallel, got {type(ddp_model).__name__}")
-    if comm not in COMM_DTYPES:
-        raise ValueError(f"comm must be one of {tuple(COMM_DTYPES)}, got {comm!r}")
+    if comm not in REDUCTIONS:
+        raise ValueError(f"comm must be one of {tuple(REDUCTIONS)}, got {comm!r}")
     targets, managed = {}, []
-    for param in ddp_model._module_parameters:
+    for param in _private.ddp_managed_parameters(ddp_model):
         if getattr(param, "_overlap_group", None) is None:
             continue
-        for handle in param_to_optim_hook_handle_map.pop(param, []):
+        for handle in _private.pop_in_backward_hook_handles(param):
             handle.remove()
         remove_guard(param)
         targets[id(param)] = [(param, _same)]
@@ -93,7 +93,7 @@ def _attach_local_sgd(sync: QSR, ddp_model: DistributedDataParallel, comm: str, 
             f"average_state names {unknown}, which no annotated optimizer of this model keeps "
             f"(they keep {sorted(kept)})"
         )
-    params = [p for p in ddp_model._module_parameters if p.requires_grad]
+    params = [p for p in _private.ddp_managed_parameters(ddp_model) if p.requires_grad]
     sync.attach(AveragedModel(params, annotated, ddp_model.process_group))
 
 
@@ -105,9 +105,9 @@ def install_optimizer_hook(ddp_model: DistributedDataParallel, state: OptimizerH
     and the reducer is told an optimizer consumes the gradients in backward, so
     that gradients released to None are rebuilt from the bucket each step.
     """
-    ddp_model._lazy_init_ran = True
+    _private.skip_ddp_lazy_init(ddp_model)
     ddp_model.register_comm_hook(state, optimizer_hook)
-    ddp_model.reducer._set_optimizer_in_backward()
+    _private.tell_reducer_optimizer_in_backward(ddp_model)
 
 
 def _same(grad: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.types import ShardedModule
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
-from overlap_optim import _state_schema
-from overlap_optim.annotation import AnnotationGroup
+from overlap_optim import _state_schema, plans
+from overlap_optim.spec import AnnotationGroup
 from overlap_optim.update import (
     drop_placeholder_state,
     has_real_state,
@@ -71,7 +71,7 @@ class InBackwardOptimizer(KeyedOptimizer):
     """
 
     def __init__(self, params: dict[str, torch.Tensor], tables: list[tuple[str, Any]] | None = None) -> None:
-        # tables: (module path, sharders.table_state.ShardedTables) of each sharded EBC
+        # tables: (module path, its overlap_optim.plans.TableStates) of each module a sharder planned
         self._sources = list(tables or [])
         self._tables = {_join(path, key): (t, key) for path, t in self._sources for key in t.keys()}
         groups: dict[int, AnnotationGroup] = {}
@@ -334,7 +334,7 @@ def unwrapped_path(path: str) -> str:
 
 
 def _sharded_modules(model: torch.nn.Module) -> tuple[list[tuple[str, Any]], list[tuple[str, KeyedOptimizer]]]:
-    """(path, ShardedTables) of modules our sharders made, and (path, fused_optimizer)
+    """(path, TableStates) of modules our sharders planned, and (path, fused_optimizer)
     of the outermost other sharded modules."""
     ours: list[tuple[str, Any]] = []
     foreign: list[tuple[str, KeyedOptimizer]] = []
@@ -342,8 +342,9 @@ def _sharded_modules(model: torch.nn.Module) -> tuple[list[tuple[str, Any]], lis
         if not isinstance(module, ShardedModule):
             continue
         path = unwrapped_path(path)
-        if hasattr(module, "overlap_tables"):
-            ours.append((path, module.overlap_tables))
+        plan = plans.plan_of(module)
+        if plan is not None:
+            ours.append((path, plan.state))
         elif isinstance(getattr(module, "fused_optimizer", None), KeyedOptimizer):
             if not any(_inside(path, outer) for outer, _ in foreign):
                 foreign.append((path, module.fused_optimizer))

@@ -208,6 +208,16 @@ class AnnotationGroup:
         """The current hyperparameters, without ``"params"``."""
         return {k: v for k, v in self.param_group.items() if k != "params"}
 
+    def step(self, optimizer: torch.optim.Optimizer, tensor: torch.Tensor | None = None) -> None:
+        """Step ``optimizer`` (made by ``spec.make``) with this group's current hyperparameters:
+        through :meth:`OptimizerSpec.step` for its one ``tensor``, or one plain ``step()`` over
+        all its tensors (``tensor`` None). Every update of an annotated tensor runs here."""
+        optimizer.param_groups[0].update(self.hyperparameters())
+        if tensor is None:
+            optimizer.step()
+        else:
+            self.spec.step(optimizer, tensor)
+
     def __repr__(self) -> str:
         return f"AnnotationGroup({self.optimizer_class.__name__}, {self.optimizer_kwargs})"
 

@@ -1,23 +1,43 @@
-"""Run a function on N gloo ranks in spawned processes: for tests and benchmarks.
+"""Run code on N gloo ranks in spawned processes: for tests and benchmarks.
 
-Each rank runs ``fn(rank, world_size, *args)``. A rank's exception comes back to
-the parent with its traceback; ranks that outlive the timeout are killed.
+:func:`run_ranks` runs one function on every rank. A rank's exception comes back to the
+parent with its traceback; ranks that outlive the timeout are killed.
+
+:func:`run_cases` runs many named cases in one spawned group (a torch import costs seconds)
+and keeps each case's outcome apart: a case that raises is recorded under its name, with its
+traceback, and the next case runs. :func:`selected_cases` tells a pytest fixture which cases
+the tests selected in this session (``-k``, node ids) need. A test module uses them so::
+
+    CASES = {"table_wise": partial(train, sharding_type="table_wise"), ...}  # fn(rank, world_size)
+
+    @pytest.fixture(scope="module")
+    def ranks(request):
+        return run_cases(CASES, selected_cases(request, CASES), timeout=300)
+
+    @pytest.mark.parametrize("case", CASES)
+    def test_trains(ranks, case):
+        for value in ranks[case]:  # a case that failed raises here, naming the case
+            ...
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_ranks"]
+__all__ = ["CaseResults", "run_cases", "run_ranks", "selected_cases"]
+
+_GRACE = 10.0  # seconds to keep reading the other ranks' reports once one rank has stopped
 
 
 def _free_port() -> int:
@@ -26,15 +46,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+def _init(rank: int, world_size: int, port: int, timeout: float) -> dist.TCPStore:
+    """Join the gloo group; returns its store, which ``run_cases`` also uses outside gloo."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    ok = False
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        results.put((rank, "ok", fn(rank, world_size, *args)))
-        ok = True
-    except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        results.put((rank, "error", traceback.format_exc()))
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    return store
+
+
+def _leave(results: Any, ok: bool) -> None:
     # The result must be on the pipe before anything else can go wrong, and the
     # teardown of gloo and DDP at interpreter exit has been seen to abort (SIGABRT)
     # now and then: wait for every rank, then leave without that teardown.
@@ -48,6 +68,36 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
     os._exit(0 if ok else 1)
 
 
+def _entry(rank: int, world_size: int, port: int, timeout: float, fn: Callable, args: tuple, results: Any) -> None:
+    ok = False
+    try:
+        _init(rank, world_size, port, timeout)
+        results.put((rank, "ok", fn(rank, world_size, *args)))
+        ok = True
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, "error", traceback.format_exc()))
+    _leave(results, ok)
+
+
+def _start(target: Callable, world_size: int, args: tuple) -> tuple[list, Any]:
+    """Spawn ``target(rank, world_size, port, *args, results)`` per rank: (processes, results queue)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=target, args=(r, world_size, port, *args, results)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    return procs, results
+
+
+def _stop(procs: list) -> None:
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
 def run_ranks(fn: Callable, *args: Any, world_size: int = 2, timeout: float = 240.0) -> list[Any]:
     """``[fn(0, world_size, *args), fn(1, ...), ...]``, each from its own process.
 
@@ -55,12 +105,7 @@ def run_ranks(fn: Callable, *args: Any, world_size: int = 2, timeout: float = 24
         AssertionError: a rank raised (its traceback is in the message), exited
             without a result, or did not finish within ``timeout`` seconds.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results)) for r in range(world_size)]
-    for p in procs:
-        p.start()
+    procs, results = _start(_entry, world_size, (timeout, fn, args))
     outcome: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout
     try:
@@ -75,11 +120,7 @@ def run_ranks(fn: Callable, *args: Any, world_size: int = 2, timeout: float = 24
             if status == "error":
                 break
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _stop(procs)
     errors = [f"rank {r}:\n{v}" for r, (s, v) in sorted(outcome.items()) if s == "error"]
     assert not errors, "\n".join(errors)
     missing = sorted(set(range(world_size)) - set(outcome))
@@ -88,3 +129,211 @@ def run_ranks(fn: Callable, *args: Any, world_size: int = 2, timeout: float = 24
         f"waited {timeout - max(deadline - time.monotonic(), 0):.0f}s of {timeout}s)"
     )
     return [outcome[r][1] for r in range(world_size)]
+
+
+# -- many cases in one spawned group --
+
+
+_KEYS = "overlap_optim.testing/"
+_STOP = _KEYS + "stop"
+
+
+def _case_key(name: str, rank: int) -> str:
+    return f"{_KEYS}{name}/{rank}"
+
+
+def _run_one(fn: Callable, rank: int, world_size: int, args: tuple) -> tuple[str, Any]:
+    try:  # pickled here: a value that cannot cross to the parent fails its case, not the pipe
+        return "passed", pickle.dumps(fn(rank, world_size, *args))
+    except Exception:  # noqa: BLE001 - the case's failure is its result; the next case runs
+        return "failed", traceback.format_exc()
+
+
+def _finish(store: dist.Store, name: str, rank: int, world_size: int, status: str, straggler_timeout: float) -> str:
+    """Wait, in the store (outside gloo), until every rank has finished case ``name``: "" to go
+    on, or why this rank stops here.
+
+    A case that failed on one rank can leave its peer waiting in a collective; the next case's
+    collectives would then pair with the wrong ones. So the ranks stop there instead: the rank
+    that waited in vain tells the others (``_STOP``) and leaves, which also ends its peer's wait
+    in gloo with an error that shows where the peer waited."""
+    try:
+        store.set(_case_key(name, rank), status)
+        store.wait([_case_key(name, r) for r in range(world_size)], timedelta(seconds=straggler_timeout))
+    except Exception:  # noqa: BLE001 - the store's timeout, or its host (rank 0) has left
+        try:
+            store.set(_STOP, name)
+        except Exception:  # noqa: BLE001 - rank 0 has left: the others learn it from the store anyway
+            pass
+        return f"stopped after case {name!r}: not every rank had finished it {straggler_timeout:.0f}s after this one"
+    if store.check([_STOP]):
+        return f"stopped after case {name!r}, as another rank did"
+    return ""
+
+
+def _case_entry(rank: int, world_size: int, port: int, timeout: float, cases: Mapping[str, Callable],
+                names: list[str], args: tuple, straggler_timeout: float, results: Any) -> None:
+    """Run the cases in order; report each one's start and outcome, then how this rank ended."""
+    ended = ("error", "")
+    try:
+        store = _init(rank, world_size, port, timeout)
+        for name in names:
+            results.put((rank, "start", name))
+            status, value = _run_one(cases[name], rank, world_size, args)
+            results.put((rank, status, (name, value)))
+            why = _finish(store, name, rank, world_size, status, straggler_timeout)
+            if why:
+                ended = ("stopped", why)
+                break
+        else:
+            ended = ("done", "")
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        ended = ("error", f"raised outside any case:\n{traceback.format_exc()}")
+    results.put((rank, *ended))
+    _leave(results, ended[0] == "done")
+
+
+class CaseResults:
+    """What :func:`run_cases` brings back: per case, its value on every rank.
+
+    ``results[name]`` is ``[value on rank 0, value on rank 1, ...]`` for a case that passed on
+    every rank, and raises ``AssertionError`` naming the case and saying why for one that did
+    not (its traceback by rank, or the case that stopped the group before it ran).
+    """
+
+    def __init__(self, values: dict[str, list[Any]], failures: dict[str, str]) -> None:
+        self.values, self.failures = values, failures
+
+    def __getitem__(self, name: str) -> list[Any]:
+        if name in self.failures:
+            raise AssertionError(f"case {name!r} {self.failures[name]}")
+        if name not in self.values:
+            raise KeyError(f"case {name!r} was not run in this group; it ran {sorted(self.values | self.failures)}")
+        return self.values[name]
+
+
+class _CaseLog:
+    """The parent's record of the ranks' reports, and how each rank ended."""
+
+    def __init__(self, names: list[str], world_size: int) -> None:
+        self.names, self.world_size = names, world_size
+        self.outcomes: dict[str, dict[int, tuple[str, Any]]] = {n: {} for n in names}
+        self.current: dict[int, str] = {}  # rank -> the case it started last
+        self.ended: dict[int, str] = {}  # rank -> "" (it ran every case) or why it stopped
+
+    def record(self, rank: int, kind: str, value: Any) -> None:
+        if kind == "start":
+            self.current[rank] = value
+        elif kind in ("passed", "failed"):
+            self.outcomes[value[0]][rank] = (kind, value[1])
+        else:  # "done" (value ""), "stopped" or "error": why this rank ended
+            self.ended[rank] = value
+
+    def stopped_early(self) -> bool:
+        return any(self.ended.values())
+
+    def _not_run(self, blocker: str | None) -> str:
+        if blocker is not None:
+            return f"was not run: case {blocker!r} did not finish on every rank"
+        return "was not run: " + "; ".join(f"rank {r} {why}" for r, why in sorted(self.ended.items()) if why)
+
+    def results(self) -> CaseResults:
+        values, failures, failed, blocker = {}, {}, None, None
+        for name in self.names:
+            got = self.outcomes[name]
+            if blocker is not None or not (got or name in self.current.values()):
+                failures[name] = self._not_run(blocker)
+            elif len(got) == self.world_size and all(s == "passed" for s, _ in got.values()):
+                values[name] = [pickle.loads(got[r][1]) for r in range(self.world_size)]
+            else:
+                after = f"\n(it ran after case {failed!r} failed)" if failed else ""
+                failures[name] = "did not pass on every rank\n" + "\n".join(self._by_rank(name)) + after
+                failed = failed or name
+                blocker = name if len(got) < self.world_size else None
+        return CaseResults(values, failures)
+
+    def _by_rank(self, name: str) -> list[str]:
+        got = self.outcomes[name]
+        lines = []
+        for rank in range(self.world_size):
+            if rank in got:
+                status, value = got[rank]
+                lines.append(f"rank {rank}: failed:\n{value}" if status == "failed" else f"rank {rank}: passed")
+            else:
+                began = "did not finish" if self.current.get(rank) == name else "did not start"
+                lines.append(f"rank {rank}: {began} it: {self.ended.get(rank, 'killed')}")
+        return lines
+
+
+def run_cases(cases: Mapping[str, Callable], names: Iterable[str] | None = None, *args: Any, world_size: int = 2,
+              timeout: float = 240.0, straggler_timeout: float = 120.0) -> CaseResults:
+    """Run ``cases[name](rank, world_size, *args)`` for each name, in ``cases``' order, in one
+    spawned group of ``world_size`` ranks; each case's outcome is kept apart.
+
+    A case that raises on some rank is recorded with its traceback, and the next case runs once
+    every rank has finished the failed one. The group stops at a case that a rank has not
+    finished ``straggler_timeout`` seconds after another rank did (it waits in a collective for a
+    peer that failed), at a rank that dies, or at the group's ``timeout``: that case and the
+    ones after it are reported so, by name.
+
+    Args:
+        cases: name -> a picklable function of ``(rank, world_size, *args)`` (defined in an
+            importable module; ``functools.partial`` binds its own arguments). Its value on
+            every rank must pickle.
+        names: the cases to run (None: all); they run in ``cases``' order. An unknown name
+            raises ``ValueError``.
+        args: passed to every case after ``rank, world_size``.
+
+    Returns:
+        :class:`CaseResults`: ``results[name]`` is the case's values by rank, or raises
+        ``AssertionError`` naming the case and why it did not pass.
+    """
+    names = list(cases) if names is None else list(names)
+    unknown = [n for n in names if n not in cases]
+    if unknown:
+        raise ValueError(f"unknown case(s) {unknown}; the cases are {list(cases)}")
+    names = [n for n in cases if n in set(names)]
+    procs, results = _start(_case_entry, world_size, (timeout, dict(cases), names, args, straggler_timeout))
+    log = _CaseLog(names, world_size)
+    deadline = time.monotonic() + timeout
+    try:
+        while len(log.ended) < world_size and time.monotonic() < deadline:
+            try:
+                log.record(*results.get(timeout=1.0))
+            except queue.Empty:
+                for rank, p in enumerate(procs):
+                    if p.exitcode not in (None, 0) and rank not in log.ended:
+                        log.ended[rank] = f"died (exit code {p.exitcode})"
+            if log.stopped_early():  # one rank stopped: the others cannot go on long without it
+                deadline = min(deadline, time.monotonic() + _GRACE)
+        stopped = [r for r, why in sorted(log.ended.items()) if why]
+        why = (f"killed after rank {stopped[0]} {log.ended[stopped[0]].splitlines()[0].rstrip(':')}" if stopped
+               else f"killed at the group's {timeout:.0f}s timeout")
+        for rank in set(range(world_size)) - set(log.ended):
+            log.ended[rank] = why
+            procs[rank].kill()  # waiting in a collective for a rank that has gone, or past the timeout
+    finally:
+        _stop(procs)
+    return log.results()
+
+
+def selected_cases(request: Any, cases: Mapping[str, Any]) -> list[str]:
+    """The cases that this pytest session's selected tests of ``request``'s module need.
+
+    For a module-scoped fixture that runs ``cases``: a selected test that uses the fixture and
+    is parametrized with ``case`` (one of ``cases``) needs that case; a selected test that uses
+    it otherwise needs every case. So ``-k`` and node ids run only the cases they select.
+
+    Args:
+        request: the fixture's pytest ``request``.
+        cases: the fixture's cases (their names).
+    """
+    needed = set()
+    for item in request.session.items:
+        if getattr(item, "module", None) is not request.module or request.fixturename not in item.fixturenames:
+            continue
+        case = getattr(getattr(item, "callspec", None), "params", {}).get("case")
+        if not (isinstance(case, str) and case in cases):
+            return list(cases)
+        needed.add(case)
+    return [n for n in cases if n in needed]

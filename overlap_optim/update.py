@@ -7,8 +7,9 @@
 - :class:`RowOptimizer`: the rows of a table that a batch touched (lazy);
   :class:`DenseTableOptimizer`: a whole table, untouched rows on a zero gradient.
 
-State made by ``init_state()`` and never loaded over is a placeholder; the rule
-that drops it before the first real update lives in :func:`_real_state`.
+State made by ``init_state()`` and never loaded over is a placeholder, dropped
+before the first real update: for a parameter in :func:`_real_state`, for a
+table in :class:`TableOptimizer`.
 
 Many tensors at once (:func:`step_params`, :func:`step_tables`): tensors whose
 settings differ only in floats form a virtual parameter group and share one
@@ -17,14 +18,12 @@ multi-tensor update (:mod:`overlap_optim.virtual_groups`); the rest step alone.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar
 
 import torch
 
+from overlap_optim.spec import AnnotationGroup
 from overlap_optim.virtual_groups import VirtualKey, multi_tensor_step, virtual_key
-
-if TYPE_CHECKING:
-    from overlap_optim.annotation import AnnotationGroup
 
 __all__ = [
     "step_param", "step_params", "step_tables", "live_optimizer", "init_placeholder_state", "load_param_state",
@@ -86,8 +85,7 @@ def _step_together(members: list[torch.Tensor]) -> None:
         optimizer = group.together[key] = group.spec.make(members)
     for p in members:
         optimizer.state[p] = _real_state(p, live_optimizer(p))
-    optimizer.param_groups[0].update(group.hyperparameters())
-    optimizer.step()
+    group.step(optimizer)
     for p in members:
         p.grad = None
 
@@ -133,8 +131,7 @@ def step_param(param: torch.Tensor) -> None:
     assert optimizer is not None, "step_param on a parameter without a live optimizer"
     check_live(param)
     _real_state(param, optimizer)
-    optimizer.param_groups[0].update(param._overlap_group.hyperparameters())
-    param._overlap_group.spec.step(optimizer, param)
+    param._overlap_group.step(optimizer, param)
     param.grad = None
 
 
@@ -154,8 +151,7 @@ def init_placeholder_state(param: torch.Tensor) -> None:
         return
     kept = param.detach().clone()
     param.grad = torch.zeros_like(param)
-    optimizer.param_groups[0].update(param._overlap_group.hyperparameters())
-    param._overlap_group.spec.step(optimizer, param)
+    param._overlap_group.step(optimizer, param)
     with torch.no_grad():
         param.copy_(kept)
     param.grad = None
@@ -220,15 +216,102 @@ def _real_state(param: torch.Tensor, optimizer: torch.optim.Optimizer) -> dict[s
 #   momentum at ``(1 - dampening) * g`` where torch's first step uses ``g``.
 
 
-class RowOptimizer:
+class TableOptimizer:
+    """The optimizer of one 2-D table (or this rank's shard of it): the part every kind shares.
+
+    It keeps the shard's state under torch.optim's names and holds the placeholder
+    rule for tables, once: :meth:`init_state` makes state to load a checkpoint over
+    (flagged ``placeholder_state``), and the next real update drops it unless
+    :meth:`load_state` replaced it first. Subclasses give the update (:meth:`step`,
+    or :meth:`prepare` and :meth:`finish` around a shared multi-tensor step) and
+    where the state lives (:attr:`state`, :meth:`_make_placeholder`,
+    :meth:`_clear_state`, :meth:`_set_state`).
+
+    Args:
+        weight: the table shard, ``(rows, dim)``; updated in place.
+        group: the table's annotation.
+        name: the table's name, for errors.
+    """
+
+    semantics: ClassVar[str]
+
+    def __init__(self, weight: torch.Tensor, group: AnnotationGroup, name: str = "?") -> None:
+        assert weight.dim() == 2, "a table is 2-D"
+        self.weight, self.group, self.name = weight, group, name
+        self.param_group = group.param_group
+        self._row_keys = group.spec.row_keys()
+        self.placeholder_state = False
+
+    # -- the placeholder rule --
+
+    def init_state(self) -> None:
+        """Create the state, if there is none yet, so that a checkpoint can be loaded in place.
+        No weight changes. The state is a placeholder until something is loaded over it."""
+        if self.state:
+            return
+        self._make_placeholder()
+        self.placeholder_state = True
+
+    def drop_placeholder_state(self) -> None:
+        """Undo :meth:`init_state` if nothing was loaded over it (also before every real update)."""
+        if self.placeholder_state:
+            self._clear_state()
+            self.placeholder_state = False
+
+    def has_real_state(self) -> bool:
+        """State that is not an :meth:`init_state` placeholder."""
+        return bool(self.state) and not self.placeholder_state
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Replace the state with copies of ``state`` (names and shapes as :attr:`state`)."""
+        self._clear_state()
+        self._set_state({k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
+        self.placeholder_state = False
+
+    # -- the state, by layout --
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """The shard's state under torch.optim's names (empty before the first step)."""
+        raise NotImplementedError
+
+    @property
+    def row_state(self) -> dict[str, torch.Tensor]:
+        """Entries that slice by rows (saved as sharded tensors)."""
+        return {k: v for k, v in self.state.items() if k in self._row_keys}
+
+    @property
+    def table_state(self) -> dict[str, Any]:
+        """Every other entry (scalars, per-column and whole-table state), saved as plain values."""
+        return {k: v for k, v in self.state.items() if k not in self._row_keys}
+
+    def _make_placeholder(self) -> None:
+        raise NotImplementedError
+
+    def _clear_state(self) -> None:
+        raise NotImplementedError
+
+    def _set_state(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    # -- the update --
+
+    def step(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """Update the shard from the summed gradients ``grads`` of its rows ``ids`` (unique, 1-D, possibly empty)."""
+        raise NotImplementedError
+
+    def prepare(self, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """``(tensor to step, its gradient, its torch.optim state)``; :meth:`finish` writes the result back."""
+        raise NotImplementedError
+
+    def finish(self, ids: torch.Tensor, stepped_tensor: torch.Tensor, stepped: dict[str, Any]) -> None:
+        """Write back what :meth:`prepare` handed out, once it has been stepped."""
+
+
+class RowOptimizer(TableOptimizer):
     """``optimizer_class`` applied lazily to the touched rows of one 2-D table.
 
     Only for row-separable optimizers (``group.spec.row_separable``).
-
-    Args:
-        weight: the table (or this rank's shard of it), ``(rows, dim)``; updated in place.
-        group: the table's annotation.
-        name: the table's name, for errors.
 
     Example:
         >>> rows = RowOptimizer(table_weight, table_weight_annotation_group, "t0")
@@ -238,21 +321,16 @@ class RowOptimizer:
     semantics = "lazy"
 
     def __init__(self, weight: torch.Tensor, group: AnnotationGroup, name: str = "?") -> None:
-        assert weight.dim() == 2, "a table is 2-D"
         assert group.spec.row_separable, f"{group.spec.name} is not row-separable"
-        self.weight, self.group, self.name = weight, group, name
-        self.param_group = group.param_group
+        super().__init__(weight, group, name)
         # A reusable optimizer whose param and state are swapped in at each step.
         self._placeholder = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
         self._optimizer = group.spec.make([self._placeholder])
-        self._row_keys = group.spec.row_keys()
-        self.row_state: dict[str, torch.Tensor] = {}
-        self.table_state: dict[str, Any] = {}
-        self.placeholder_state = False
+        self._rows: dict[str, torch.Tensor] = {}
+        self._table: dict[str, Any] = {}
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
-        """Update rows ``ids`` (unique, 1-D, possibly empty) with their summed gradients ``grads``."""
         rows, rows.grad, state = self.prepare(ids, grads)
         if state:
             optimizer = self._optimizer
@@ -261,69 +339,60 @@ class RowOptimizer:
             optimizer.state[rows] = state
         else:  # a new optimizer on the rows, so its own state init runs
             optimizer = self.group.spec.make([rows])
-        optimizer.param_groups[0].update(self.group.hyperparameters())
         try:
-            self.group.spec.step(optimizer, rows)
+            self.group.step(optimizer, rows)
         finally:
             stepped = optimizer.state.pop(rows, {})
             self._optimizer.param_groups[0]["params"] = [self._placeholder]
         self.finish(ids, rows, stepped)
 
     def prepare(self, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        """``(rows, their gradient, their torch.optim state)`` for one update of rows ``ids``
-        (empty state before the table's first step); :meth:`finish` writes the result back."""
+        """``(rows, their gradient, their torch.optim state)`` (empty state before the table's first step)."""
         assert ids.dim() == 1 and grads.shape == (ids.numel(), self.weight.shape[1])
         self.group.spec.check_live(self.param_group, f"table {self.name!r}")
-        if self.placeholder_state:  # made by init_state and never loaded over: start afresh
-            self.row_state, self.table_state, self.placeholder_state = {}, {}, False
+        self.drop_placeholder_state()
         return self.weight.index_select(0, ids), grads.to(self.weight.dtype), self.state_for_rows(ids)
 
     @torch.no_grad()
     def finish(self, ids: torch.Tensor, rows: torch.Tensor, stepped: dict[str, Any]) -> None:
         """Write the updated ``rows`` and their state ``stepped`` back into the table."""
         self._check_layout(stepped)
-        if not self.row_state and not self.table_state:
+        if not self._rows and not self._table:
             self._allocate()
         self.weight.index_copy_(0, ids, rows)
         for key, value in stepped.items():
             if key in self._row_keys:
-                self.row_state[key].index_copy_(0, ids, value)
+                self._rows[key].index_copy_(0, ids, value)
             else:
-                self.table_state[key] = value
-
-    def init_state(self) -> None:
-        """Create the state, if there is none yet, so that a checkpoint can be loaded in place.
-
-        It is a step on no rows: no weight changes. The state it makes is a
-        placeholder, dropped at the next step unless something is loaded over it.
-        """
-        if self.state:
-            return
-        empty = torch.empty(0, dtype=torch.long, device=self.weight.device)
-        self.step(empty, self.weight.new_zeros(0, self.weight.shape[1]))
-        self.placeholder_state = True
-
-    def drop_placeholder_state(self) -> None:
-        """Undo :meth:`init_state` if nothing was loaded over it."""
-        if self.placeholder_state:
-            self.row_state, self.table_state, self.placeholder_state = {}, {}, False
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        """Replace the state with copies of ``state`` (names and shapes as :attr:`state`)."""
-        self.row_state = {k: v.detach().clone() for k, v in state.items() if k in self._row_keys}
-        self.table_state = {
-            k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items() if k not in self._row_keys
-        }
-        self.placeholder_state = False
+                self._table[key] = value
 
     @property
     def state(self) -> dict[str, Any]:
-        """The whole table's state under torch.optim's names (empty before the first step)."""
-        return {**self.row_state, **self.table_state}
+        return {**self._rows, **self._table}
+
+    @property
+    def row_state(self) -> dict[str, torch.Tensor]:
+        return self._rows
+
+    @property
+    def table_state(self) -> dict[str, Any]:
+        return self._table
 
     def state_for_rows(self, ids: torch.Tensor) -> dict[str, Any]:
         """The optimizer state of rows ``ids``, as torch.optim would hold it for them."""
-        return {**{k: v.index_select(0, ids) for k, v in self.row_state.items()}, **self.table_state}
+        return {**{k: v.index_select(0, ids) for k, v in self._rows.items()}, **self._table}
+
+    def _make_placeholder(self) -> None:
+        """A step on no rows: the state exists, no weight changes."""
+        empty = torch.empty(0, dtype=torch.long, device=self.weight.device)
+        self.step(empty, self.weight.new_zeros(0, self.weight.shape[1]))
+
+    def _clear_state(self) -> None:
+        self._rows, self._table = {}, {}
+
+    def _set_state(self, state: dict[str, Any]) -> None:
+        self._rows = {k: v for k, v in state.items() if k in self._row_keys}
+        self._table = {k: v for k, v in state.items() if k not in self._row_keys}
 
     def _check_layout(self, stepped: dict[str, Any]) -> None:
         """A float setting changed at run time can change the state an optimizer keeps (SGD's
@@ -342,91 +411,57 @@ class RowOptimizer:
         for key in self._row_keys:
             entry = self.group.spec.state[key]
             shape = (rows, *(dim if size == -1 else size for size in entry.tail))
-            self.row_state[key] = torch.full(shape, entry.fresh, dtype=self.weight.dtype, device=self.weight.device)
+            self._rows[key] = torch.full(shape, entry.fresh, dtype=self.weight.dtype, device=self.weight.device)
 
 
-class DenseTableOptimizer:
+class DenseTableOptimizer(TableOptimizer):
     """``optimizer_class`` on the whole of one 2-D table (or shard), every step.
 
     Dense semantics, as ``torch.optim`` on an ``nn.EmbeddingBag`` with a dense
     gradient: rows the batch did not touch get a zero gradient and are stepped
     too. Exact for any optimizer while the table is whole, and on a shard split
     along an axis the optimizer is separable by. Cost follows the shard size.
-    Same interface as :class:`RowOptimizer`.
     """
 
     semantics = "dense"
 
     def __init__(self, weight: torch.Tensor, group: AnnotationGroup, name: str = "?") -> None:
-        assert weight.dim() == 2, "a table is 2-D"
-        self.weight, self.group, self.name = weight, group, name
-        self.param_group = group.param_group
+        super().__init__(weight, group, name)
         self._optimizer = group.spec.make([weight])
-        self._row_keys = group.spec.row_keys()
-        self.placeholder_state = False
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
-        """Step the whole table on the gradient that is ``grads`` at rows ``ids`` (unique) and zero elsewhere."""
+        """Step the whole table on the gradient that is ``grads`` at rows ``ids`` and zero elsewhere."""
         _, self.weight.grad, _ = self.prepare(ids, grads)
-        self._optimizer.param_groups[0].update(self.group.hyperparameters())
         try:
-            self.group.spec.step(self._optimizer, self.weight)
+            self.group.step(self._optimizer, self.weight)
         finally:
             self.weight.grad = None
 
     def prepare(self, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """``(the table, its whole gradient, its torch.optim state)``, updated in place by the caller."""
         self.group.spec.check_live(self.param_group, f"table {self.name!r}")
-        if self.placeholder_state:
-            self._optimizer.state.clear()
-            self.placeholder_state = False
+        self.drop_placeholder_state()
         grad = torch.zeros_like(self.weight)
         grad.index_copy_(0, ids, grads.to(grad.dtype))
         return self.weight, grad, self._optimizer.state[self.weight]
-
-    def finish(self, ids: torch.Tensor, table: torch.Tensor, stepped: dict[str, Any]) -> None:
-        """Nothing to write back: the update ran on the table and its state in place."""
-
-    def init_state(self) -> None:
-        """Create the state if there is none (a placeholder, as :meth:`RowOptimizer.init_state`); weights stay."""
-        if self.state:
-            return
-        kept = self.weight.clone()
-        self.step(torch.empty(0, dtype=torch.long, device=self.weight.device), self.weight.new_zeros(0, self.weight.shape[1]))
-        self.weight.copy_(kept)
-        self.placeholder_state = True
-
-    def drop_placeholder_state(self) -> None:
-        """Undo :meth:`init_state` if nothing was loaded over it."""
-        if self.placeholder_state:
-            self._optimizer.state.clear()
-            self.placeholder_state = False
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        """Replace the state with copies of ``state``."""
-        self._optimizer.state.clear()
-        self._optimizer.state[self.weight] = {
-            k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()
-        }
-        self.placeholder_state = False
 
     @property
     def state(self) -> dict[str, Any]:
         return dict(self._optimizer.state.get(self.weight, {}))
 
-    @property
-    def row_state(self) -> dict[str, torch.Tensor]:
-        """Entries that slice by rows (saved as sharded tensors)."""
-        return {k: v for k, v in self.state.items() if k in self._row_keys}
+    @torch.no_grad()
+    def _make_placeholder(self) -> None:
+        """A step on a zero gradient, with the weight put back."""
+        kept = self.weight.clone()
+        self.step(torch.empty(0, dtype=torch.long, device=self.weight.device), self.weight.new_zeros(0, self.weight.shape[1]))
+        self.weight.copy_(kept)
 
-    @property
-    def table_state(self) -> dict[str, Any]:
-        """Every other entry (scalars, per-column and whole-table state), saved as plain values."""
-        return {k: v for k, v in self.state.items() if k not in self._row_keys}
+    def _clear_state(self) -> None:
+        self._optimizer.state.clear()
 
-
-TableOptimizer = RowOptimizer | DenseTableOptimizer
+    def _set_state(self, state: dict[str, Any]) -> None:
+        self._optimizer.state[self.weight] = state
 
 
 def table_optimizer(weight: torch.Tensor, group: AnnotationGroup, name: str, semantics: str) -> TableOptimizer:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from overlap_optim._private import foreach
 from overlap_optim.spec import OptimizerSpec
 
 __all__ = ["virtual_key", "multi_tensor_step", "MULTI_TENSOR"]
@@ -62,7 +63,7 @@ def multi_tensor_step(
     fixed = spec.fixed
     with torch.no_grad():
         if fixed.get("maximize"):
-            grads = torch._foreach_neg(grads)
+            grads = foreach.neg(grads)
         MULTI_TENSOR[spec.optimizer_class](params, grads, states, hypers, fixed)
 
 
@@ -89,7 +90,7 @@ def _steps(states: list[dict]) -> list[float]:
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
     counters = [s["step"] for s in states]
-    torch._foreach_add_(counters, 1)
+    foreach.add_(counters, 1)
     return [float(c) for c in counters]
 
 
@@ -100,21 +101,21 @@ def _scalar_dtype() -> torch.dtype:
 def _l2(grads, params, hypers):
     """``grad + weight_decay * param``, per tensor (coupled weight decay)."""
     wds = _floats(hypers, "weight_decay")
-    return torch._foreach_add(grads, torch._foreach_mul(params, wds)) if any(wds) else grads
+    return foreach.add(grads, foreach.mul(params, wds)) if any(wds) else grads
 
 
 def _decay(params, hypers):
     """``param *= 1 - lr * weight_decay`` (decoupled weight decay)."""
     factors = [1 - float(h["lr"]) * float(h["weight_decay"]) for h in hypers]
     if any(f != 1 for f in factors):
-        torch._foreach_mul_(params, factors)
+        foreach.mul_(params, factors)
 
 
 def _moments(exp_avgs, exp_avg_sqs, grads, hypers):
     beta1, beta2 = _floats(hypers, "betas", 0), _floats(hypers, "betas", 1)
-    torch._foreach_lerp_(exp_avgs, grads, [1 - b for b in beta1])
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, [1 - b for b in beta2])
+    foreach.lerp_(exp_avgs, grads, [1 - b for b in beta1])
+    foreach.mul_(exp_avg_sqs, beta2)
+    foreach.addcmul_(exp_avg_sqs, grads, grads, [1 - b for b in beta2])
     return beta1, beta2
 
 
@@ -129,12 +130,12 @@ def _adam(params, grads, states, hypers, fixed):
         grads = _l2(grads, params, hypers)
     beta1, beta2 = _moments(exp_avgs, exp_avg_sqs, grads, hypers)
     if max_sqs is not None:
-        torch._foreach_maximum_(max_sqs, exp_avg_sqs)
-    denom = torch._foreach_sqrt(max_sqs if max_sqs is not None else exp_avg_sqs)
-    torch._foreach_div_(denom, [(1 - b**s) ** 0.5 for b, s in zip(beta2, steps)])
-    torch._foreach_add_(denom, _floats(hypers, "eps"))
+        foreach.maximum_(max_sqs, exp_avg_sqs)
+    denom = foreach.sqrt(max_sqs if max_sqs is not None else exp_avg_sqs)
+    foreach.div_(denom, [(1 - b**s) ** 0.5 for b, s in zip(beta2, steps)])
+    foreach.add_(denom, _floats(hypers, "eps"))
     step_size = [-float(h["lr"]) / (1 - b**s) for h, b, s in zip(hypers, beta1, steps)]
-    torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
+    foreach.addcdiv_(params, exp_avgs, denom, step_size)
 
 
 def _adagrad(params, grads, states, hypers, fixed):
@@ -142,10 +143,10 @@ def _adagrad(params, grads, states, hypers, fixed):
     steps = _steps(states)
     grads = _l2(grads, params, hypers)
     minus_clr = [-float(h["lr"]) / (1 + (s - 1) * float(h["lr_decay"])) for h, s in zip(hypers, steps)]
-    torch._foreach_addcmul_(sums, grads, grads, [1.0] * len(params))
-    std = torch._foreach_sqrt(sums)
-    torch._foreach_add_(std, _floats(hypers, "eps"))
-    torch._foreach_addcdiv_(params, torch._foreach_mul(grads, minus_clr), std)
+    foreach.addcmul_(sums, grads, grads, [1.0] * len(params))
+    std = foreach.sqrt(sums)
+    foreach.add_(std, _floats(hypers, "eps"))
+    foreach.addcdiv_(params, foreach.mul(grads, minus_clr), std)
 
 
 def _adamax(params, grads, states, hypers, fixed):
@@ -153,13 +154,13 @@ def _adamax(params, grads, states, hypers, fixed):
     steps = _steps(states)
     grads = _l2(grads, params, hypers)
     beta1, beta2 = _floats(hypers, "betas", 0), _floats(hypers, "betas", 1)
-    torch._foreach_lerp_(exp_avgs, grads, [1 - b for b in beta1])
-    torch._foreach_mul_(exp_infs, beta2)
-    bound = torch._foreach_abs(grads)
-    torch._foreach_add_(bound, _floats(hypers, "eps"))
-    torch._foreach_maximum_(exp_infs, bound)
+    foreach.lerp_(exp_avgs, grads, [1 - b for b in beta1])
+    foreach.mul_(exp_infs, beta2)
+    bound = foreach.abs(grads)
+    foreach.add_(bound, _floats(hypers, "eps"))
+    foreach.maximum_(exp_infs, bound)
     clr = [-float(h["lr"]) / (1 - b**s) for h, b, s in zip(hypers, beta1, steps)]
-    torch._foreach_addcdiv_(params, exp_avgs, exp_infs, clr)
+    foreach.addcdiv_(params, exp_avgs, exp_infs, clr)
 
 
 def _nadam(params, grads, states, hypers, fixed):
@@ -176,15 +177,15 @@ def _nadam(params, grads, states, hypers, fixed):
     mu = [b * (1.0 - 0.5 * 0.96 ** (s * d)) for b, s, d in zip(beta1, steps, decay)]
     mu_next = [b * (1.0 - 0.5 * 0.96 ** ((s + 1) * d)) for b, s, d in zip(beta1, steps, decay)]
     products = [s["mu_product"] for s in states]
-    torch._foreach_mul_(products, mu)
+    foreach.mul_(products, mu)
     _, beta2 = _moments(exp_avgs, exp_avg_sqs, grads, hypers)
-    denom = torch._foreach_div(exp_avg_sqs, [1 - b**s for b, s in zip(beta2, steps)])
-    torch._foreach_sqrt_(denom)
-    torch._foreach_add_(denom, _floats(hypers, "eps"))
+    denom = foreach.div(exp_avg_sqs, [1 - b**s for b, s in zip(beta2, steps)])
+    foreach.sqrt_(denom)
+    foreach.add_(denom, _floats(hypers, "eps"))
     product = [float(p) for p in products]
     lrs = _floats(hypers, "lr")
-    torch._foreach_addcdiv_(params, grads, denom, [-lr * (1 - m) / (1 - p) for lr, m, p in zip(lrs, mu, product)])
-    torch._foreach_addcdiv_(
+    foreach.addcdiv_(params, grads, denom, [-lr * (1 - m) / (1 - p) for lr, m, p in zip(lrs, mu, product)])
+    foreach.addcdiv_(
         params, exp_avgs, denom, [-lr * n / (1 - p * n) for lr, n, p in zip(lrs, mu_next, product)]
     )
 
@@ -210,14 +211,14 @@ def _radam(params, grads, states, hypers, fixed):
             plain.append((i, -lr / bc1))
     if rectified:
         index = [i for i, _ in rectified]
-        denom = torch._foreach_sqrt([exp_avg_sqs[i] for i in index])
-        torch._foreach_add_(denom, [float(hypers[i]["eps"]) for i in index])
-        torch._foreach_addcdiv_([params[i] for i in index], [exp_avgs[i] for i in index], denom,
-                                [c for _, c in rectified])
+        denom = foreach.sqrt([exp_avg_sqs[i] for i in index])
+        foreach.add_(denom, [float(hypers[i]["eps"]) for i in index])
+        foreach.addcdiv_([params[i] for i in index], [exp_avgs[i] for i in index], denom,
+                         [c for _, c in rectified])
     if plain:
         index = [i for i, _ in plain]
-        torch._foreach_add_([params[i] for i in index],
-                            torch._foreach_mul([exp_avgs[i] for i in index], [c for _, c in plain]))
+        foreach.add_([params[i] for i in index],
+                     foreach.mul([exp_avgs[i] for i in index], [c for _, c in plain]))
 
 
 def _sgd(params, grads, states, hypers, fixed):
@@ -234,7 +235,7 @@ def _sgd(params, grads, states, hypers, fixed):
             else:
                 buf.mul_(momentum).add_(grad, alpha=1 - float(h["dampening"]))
             grads[i] = grad.add(buf, alpha=momentum) if fixed.get("nesterov") else buf
-    torch._foreach_add_(params, torch._foreach_mul(grads, [-float(h["lr"]) for h in hypers]))
+    foreach.add_(params, foreach.mul(grads, [-float(h["lr"]) for h in hypers]))
 
 
 def _rmsprop(params, grads, states, hypers, fixed):
@@ -245,26 +246,26 @@ def _rmsprop(params, grads, states, hypers, fixed):
     _steps(states)
     grads = _l2(grads, params, hypers)
     alphas = _floats(hypers, "alpha")
-    torch._foreach_mul_(square_avgs, alphas)
-    torch._foreach_addcmul_(square_avgs, grads, grads, [1 - a for a in alphas])
+    foreach.mul_(square_avgs, alphas)
+    foreach.addcmul_(square_avgs, grads, grads, [1 - a for a in alphas])
     if centered:
-        torch._foreach_lerp_(grad_avgs, grads, [1 - a for a in alphas])
-        avg = torch._foreach_addcmul(square_avgs, grad_avgs, grad_avgs, [-1.0] * len(params))
-        torch._foreach_sqrt_(avg)
+        foreach.lerp_(grad_avgs, grads, [1 - a for a in alphas])
+        avg = foreach.addcmul(square_avgs, grad_avgs, grad_avgs, [-1.0] * len(params))
+        foreach.sqrt_(avg)
     else:
-        avg = torch._foreach_sqrt(square_avgs)
-    torch._foreach_add_(avg, _floats(hypers, "eps"))
+        avg = foreach.sqrt(square_avgs)
+    foreach.add_(avg, _floats(hypers, "eps"))
     lrs = [-float(h["lr"]) for h in hypers]
     moving = [i for i, m in enumerate(momenta) if m > 0]
     still = [i for i, m in enumerate(momenta) if m <= 0]
     if moving:
         bufs = _state([states[i] for i in moving], [params[i] for i in moving], "momentum_buffer")
-        torch._foreach_mul_(bufs, [momenta[i] for i in moving])
-        torch._foreach_addcdiv_(bufs, [grads[i] for i in moving], [avg[i] for i in moving])
-        torch._foreach_add_([params[i] for i in moving], torch._foreach_mul(bufs, [lrs[i] for i in moving]))
+        foreach.mul_(bufs, [momenta[i] for i in moving])
+        foreach.addcdiv_(bufs, [grads[i] for i in moving], [avg[i] for i in moving])
+        foreach.add_([params[i] for i in moving], foreach.mul(bufs, [lrs[i] for i in moving]))
     if still:
-        torch._foreach_addcdiv_([params[i] for i in still], [grads[i] for i in still], [avg[i] for i in still],
-                                [lrs[i] for i in still])
+        foreach.addcdiv_([params[i] for i in still], [grads[i] for i in still], [avg[i] for i in still],
+                         [lrs[i] for i in still])
 
 
 Update = Callable[[list, list, list, list, dict], None]

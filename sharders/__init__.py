@@ -5,7 +5,12 @@ Arrows run from ``sharders`` to ``overlap_optim``, never back.
 
 from sharders.data_parallel import DataParallelWrapper
 from sharders.describe import describe
-from sharders.embeddingbag import EmbeddingBagCollectionSharder, TableDecision
-from sharders.optimizer_table import KernelChoice, choose_kernel
+from sharders.embeddingbag import EmbeddingBagCollectionSharder
+from sharders.kernels import KernelChoice, KernelKind, TableDecision, TableKernel
+from sharders.optimizer_table import choose_kernel
+from sharders.plan import ShardedModulePlan, plan_of
 
-__all__ = ["DataParallelWrapper", "describe", "EmbeddingBagCollectionSharder", "KernelChoice", "TableDecision", "choose_kernel"]
+__all__ = [
+    "DataParallelWrapper", "describe", "EmbeddingBagCollectionSharder", "KernelChoice", "KernelKind", "TableDecision",
+    "TableKernel", "ShardedModulePlan", "choose_kernel", "plan_of",
+]

@@ -1,19 +1,89 @@
-"""``DataParallelWrapper``: TorchRec's DDP wrapping, with in-backward optimizers run from the comm hook."""
+"""Data parallelism with in-backward optimizers: data-parallel tables, and ``DataParallelWrapper``.
+
+- :class:`DataParallelTable` is the kind of a table replicated on every rank
+  (``KernelKind.DATA_PARALLEL``): TorchRec's DDP all-reduces its gradient, and
+  its annotated ``torch.optim`` steps in our DDP comm hook, on the averaged
+  gradient, with dense semantics.
+- :class:`DataParallelWrapper` wraps the unsharded part of a DMP model in DDP,
+  with the same hook.
+"""
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
 
 from overlap_optim.annotation import reattach_annotations, record_annotations
-from overlap_optim.ddp import register_optimizer_hook
+from overlap_optim.comm_hooks import OptimizerHookState
+from overlap_optim.ddp import install_optimizer_hook, register_optimizer_hook
 from overlap_optim.local_sgd import QSR
+from overlap_optim.spec import AnnotationGroup
+from sharders import _private
+from sharders.kernels import BuildContext, KernelKind, TableKernel
 
-__all__ = ["DataParallelWrapper"]
+__all__ = ["DataParallelTable", "DataParallelWrapper"]
+
+
+class DataParallelTable(TableKernel):
+    """A data-parallel table: its annotated optimizer steps in the DDP hook, after the all-reduce."""
+
+    kind = KernelKind.DATA_PARALLEL
+    compute_kernel = None  # the plan's own
+    sharded_state = False  # the weight carries its annotation: get_optimizers finds it as a parameter
+
+    @classmethod
+    def install(cls, tables: list[TableKernel], context: BuildContext) -> None:
+        """Step each data-parallel table's optimizer on its all-reduced gradient."""
+        for lookup in _private.lookups(context.sharded):
+            if not isinstance(lookup, DistributedDataParallel):
+                continue
+            targets: dict[int, list] = {}
+            managed = []
+            for kernel in _private.kernels_of_lookup(lookup.module):
+                if context.tables[kernel.config.embedding_tables[0].name].kind is not cls.kind:
+                    continue  # unannotated tables keep their averaged gradient for the user; frozen ones have none
+                flat = kernel.emb_module.weights
+                managed.append(flat)
+                for table, view in _table_views(kernel):
+                    weight = context.sharded.embedding_bags[table].weight
+                    _attach(weight, context.tables[table].group)
+                    targets.setdefault(id(flat), []).append((weight, view))
+            if targets:
+                install_optimizer_hook(lookup, OptimizerHookState(context.process_group, targets, managed))
+
+    def state_bytes(self, shard_shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> int:
+        """Every rank holds the whole table's state."""
+        return super().state_bytes(self.decision.shape, dtype)
+
+    def runs_as(self) -> str:
+        return "torch.optim after all-reduce (DDP hook)"
+
+    def why_not_fused(self) -> str:
+        return ""
+
+
+def _table_views(kernel: nn.Module) -> Iterator[tuple[str, Any]]:
+    emb = kernel.emb_module
+    for t_idx, (rows, dim) in enumerate(emb.embedding_specs):
+        start = emb.weights_physical_offsets[t_idx]
+        name = kernel.config.embedding_tables[t_idx].name
+        yield name, (lambda g, s=start, r=rows, d=dim: g[s : s + r * d].view(r, d))
+
+
+def _attach(weight: torch.Tensor, group: AnnotationGroup) -> None:
+    """Give a sharded table's parameter a live optimizer that a hook steps (no grad hook)."""
+    weight._optimizer_classes = [group.optimizer_class]
+    weight._optimizer_kwargs = [dict(group.optimizer_kwargs)]
+    weight._overlap_group = group
+    weight._in_backward_optimizers = [group.spec.make([weight])]
+    group.param_group["params"].append(weight)
 
 # Where DistributedModelParallel keeps the annotations of the meta parameters it will replace.
 _RECORDED = "_overlap_meta_annotations"
@@ -54,7 +124,7 @@ class DataParallelWrapper(DefaultDataParallelWrapper):
             super().wrap(dmp, env, device)
         finally:
             self._allreduce_comm_precision = None if comm == "allreduce" else comm
-        wrapped = dmp._dmp_wrapped_module
+        wrapped = _private.wrapped_module(dmp)
         if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
             register_optimizer_hook(wrapped, comm=comm, local_sgd=self.local_sgd)
 
@@ -65,7 +135,7 @@ def _record_when_registered(wrapper: DataParallelWrapper):
 
     def hook(parent: nn.Module, name: str, child: nn.Module) -> None:
         if (
-            name == "_dmp_wrapped_module"
+            name == _private.WRAPPED
             and isinstance(parent, DistributedModelParallel)
             and getattr(parent, "_data_parallel_wrapper", None) is owner()
             and child is not None

@@ -6,7 +6,9 @@ import torch.distributed as dist
 from torch import nn
 
 from overlap_optim.keyed import unwrapped_path
-from sharders.embeddingbag import TableDecision, kernels_of
+from sharders._private import kernels_of
+from sharders.kernels import TableKernel
+from sharders.plan import plan_of
 
 __all__ = ["describe", "kernel_rows"]
 
@@ -18,32 +20,32 @@ def kernel_rows(model: nn.Module) -> list[tuple[str, ...]]:
     rank = str(dist.get_rank()) if dist.is_initialized() else "0"
     rows = []
     for path, module in model.named_modules():
-        decisions: dict[str, TableDecision] | None = getattr(module, "_overlap_decisions", None)
-        if decisions is None:
+        plan = plan_of(module)
+        if plan is None:
             continue
         for index, (_, kernel) in enumerate(kernels_of(module)):
-            tables = [decisions[t.name] for t in kernel.config.embedding_tables]
+            tables = [plan.tables[t.name] for t in kernel.config.embedding_tables]
             rows.append((
                 rank,
                 unwrapped_path(path),
                 str(index),
-                tables[0].sharding_type,
+                tables[0].decision.sharding_type,
                 _table_names(tables),
-                _per_table(tables, _setting),
-                _per_table(tables, _runs_as),
-                _per_table(tables, lambda d: d.semantics),
-                _per_table(tables, lambda d: d.choice.reason if d.kernel in ("fallback", "user") else ""),
+                _per_table(tables, lambda t: t.setting()),
+                _per_table(tables, lambda t: t.runs_as()),
+                _per_table(tables, lambda t: t.semantics),
+                _per_table(tables, lambda t: t.why_not_fused()),
             ))
     return rows
 
 
-def _table_names(tables: list[TableDecision]) -> str:
+def _table_names(tables: list[TableKernel]) -> str:
     """The kernel's tables, each once: ``t0 (2 shards)`` where it holds several shards of one."""
     names = [d.table for d in tables]
     return ", ".join(n if names.count(n) == 1 else f"{n} ({names.count(n)} shards)" for n in dict.fromkeys(names))
 
 
-def _per_table(tables: list[TableDecision], column) -> str:
+def _per_table(tables: list[TableKernel], column) -> str:
     """The column's value, once if every table of the kernel agrees, else ``table: value`` for each
     (the tables of a virtual group share a fallback kernel with settings that differ in floats)."""
     values = {d.table: column(d) for d in tables}
@@ -57,7 +59,7 @@ def describe(model: nn.Module) -> str:
     optimizer and settings (each table's, where the tables of a fallback kernel
     differ in float settings: one virtual group), fused or fallback, its semantics ("lazy": only the
     rows a batch touched change; "dense": every row steps, untouched ones on a
-    zero gradient), and for a fallback which setting prevented fusion. A kernel that
+    zero gradient; "frozen": never updated), and for a fallback which setting prevented fusion. A kernel that
     holds several shards of one table (column shards, say) names it once, with the count.
 
     Under ``torch.distributed`` this is a collective: call it on every rank; each
@@ -71,24 +73,3 @@ def describe(model: nn.Module) -> str:
     lines = ["| " + " | ".join(_HEADER) + " |", "|" + " --- |" * len(_HEADER)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
-
-
-def _setting(decision: TableDecision) -> str:
-    if decision.group is None:
-        return "none"
-    kwargs = ", ".join(f"{k}={v!r}" for k, v in decision.group.optimizer_kwargs.items())
-    return f"{decision.group.optimizer_class.__name__}({kwargs})"
-
-
-def _runs_as(decision: TableDecision) -> str:
-    if decision.kernel == "user":
-        return "dense: .grad handed back to your optimizer"
-    if decision.kernel == "fused":
-        return f"fused {decision.choice.fbgemm_kwargs['optimizer'].name}"
-    if decision.kernel == "data_parallel_hook":
-        return "torch.optim after all-reduce (DDP hook)"
-    if decision.cross_shard:
-        return "fallback: whole-table statistics across shards (1 all-reduce per step)"
-    if decision.semantics == "dense":
-        return "fallback: torch.optim on the whole table"
-    return "fallback: torch.optim on touched rows"

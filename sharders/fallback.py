@@ -14,18 +14,98 @@ touched rows), or, for an optimizer that is not row-separable, its
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from torch import nn
 from torchrec.distributed.batched_embedding_kernel import BatchedDenseEmbeddingBag
+from torchrec.optim.fused import EmptyFusedOptimizer
 from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from overlap_optim.update import TableOptimizer, step_tables
+from overlap_optim.update import DenseTableOptimizer, RowOptimizer, TableOptimizer, step_tables
+from sharders import _private
+from sharders.kernels import BuildContext, KernelKind, LocalShard, TableKernel
 
-__all__ = ["FallbackEmbeddingBag", "FallbackOptimizer"]
+__all__ = ["FallbackEmbeddingBag", "FallbackOptimizer", "FallbackTable", "LazyTable", "DenseTable"]
+
+
+class FallbackTable(TableKernel):
+    """The kinds whose tables run in the fallback kernel: torch.optim's own step, from backward.
+
+    Every fallback table whose settings differ from another's only in floats may share one
+    kernel (one lookup, one multi-tensor update per virtual group)."""
+
+    compute_kernel = "dense"
+
+    def batch_key(self) -> Hashable:
+        return ("fallback", self.group.spec.share_key)
+
+    def make_optimizer(self, weight: torch.Tensor, config: Any, context: BuildContext) -> TableOptimizer:
+        """The optimizer of this rank's shard ``weight`` (TorchRec's table ``config`` places it)."""
+        raise NotImplementedError
+
+    @classmethod
+    def adopt(cls, kernel: nn.Module, tables: list[TableKernel], context: BuildContext) -> None:
+        configs = kernel.config.embedding_tables
+        makers = [lambda w, t=t, c=c: t.make_optimizer(w, c, context) for t, c in zip(tables, configs)]
+        fallback = FallbackEmbeddingBag.adopt(kernel, makers)
+        for table, config, rows in zip(tables, configs, fallback.row_optimizers):
+            table.shards.append(LocalShard(config.local_metadata, rows))
+        # TorchRec combined its kernels' fused optimizers before we saw them; add ours,
+        # keyed as TorchRec keys the fused ones, so DMP's fused_optimizer covers them too.
+        optimizer = fallback.fallback_optimizer
+        optimizer.params = {f"embedding_bags.{k}": v for k, v in optimizer.params.items()}
+        _private.add_fused_optimizer(context.sharded, optimizer)
+
+    @classmethod
+    def install(cls, tables: list[TableKernel], context: BuildContext) -> None:
+        """Mark each table's weight as TorchRec marks a fused one, the empty placeholder of a
+        table held on other ranks included, so that TorchRec's ``in_backward_optimizer_filter``
+        keeps it from the user's optimizer: ``CombinedOptimizer([model.fused_optimizer, user])``
+        then sees each key once."""
+        for table in tables:
+            weight = context.sharded.embedding_bags[table.table].weight
+            if not hasattr(weight, "_in_backward_optimizers"):
+                weight._in_backward_optimizers = [EmptyFusedOptimizer()]
+
+    def check_live(self) -> None:
+        self.group.spec.check_live(self.group.param_group, f"table {self.table!r}")
+
+    def state_layout(self) -> dict[str, str]:
+        spec = self.group.spec
+        return {n: spec.state[n].layout for n in spec.row_keys()}
+
+    def scalar_names(self) -> list[str]:
+        layout = self.state_layout()
+        return [n for n in self.group.spec.state if n not in layout]
+
+
+class LazyTable(FallbackTable):
+    """torch.optim on the rows a batch touched (:class:`overlap_optim.update.RowOptimizer`)."""
+
+    kind = KernelKind.LAZY
+
+    def make_optimizer(self, weight: torch.Tensor, config: Any, context: BuildContext) -> TableOptimizer:
+        return RowOptimizer(weight, self.group, self.table)
+
+    def runs_as(self) -> str:
+        return "fallback: torch.optim on touched rows"
+
+
+class DenseTable(FallbackTable):
+    """torch.optim on the whole shard, untouched rows on a zero gradient
+    (:class:`overlap_optim.update.DenseTableOptimizer`)."""
+
+    kind = KernelKind.DENSE
+
+    def make_optimizer(self, weight: torch.Tensor, config: Any, context: BuildContext) -> TableOptimizer:
+        return DenseTableOptimizer(weight, self.group, self.table)
+
+    def runs_as(self) -> str:
+        return "fallback: torch.optim on the whole table"
 
 
 class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
@@ -39,7 +119,7 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
 
     @classmethod
     def adopt(
-        cls, dense: BatchedDenseEmbeddingBag, tables: dict[str, Callable[[torch.Tensor], TableOptimizer]]
+        cls, dense: BatchedDenseEmbeddingBag, tables: list[Callable[[torch.Tensor], TableOptimizer]]
     ) -> FallbackEmbeddingBag:
         """Turn ``dense`` into a fallback kernel in place and return it.
 
@@ -50,15 +130,15 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
 
         Args:
             dense: a kernel built for compute kernel "dense".
-            tables: table name -> a function from the table's (shard's) weight to its table
-                optimizer (:func:`~overlap_optim.update.table_optimizer`, or a cross-shard one).
+            tables: for each table (shard) of the kernel, in order, a function from its weight
+                to its table optimizer.
         """
         assert isinstance(dense, BatchedDenseEmbeddingBag)
         dense.__class__ = cls
         weights = dense.emb_module.split_embedding_weights()
         names = [t.name for t in dense.config.embedding_tables]
         params = dict(dense.named_parameters_by_table())
-        dense.row_optimizers = [tables[n](w) for w, n in zip(weights, names)]
+        dense.row_optimizers = [make(w) for make, w in zip(tables, weights)]
         # The annotation groups' own dicts: an LR schedule reaches the next backward.
         param_groups = list({id(r.group): r.group.param_group for r in dense.row_optimizers}.values())
         dense.fallback_optimizer = FallbackOptimizer(
@@ -83,8 +163,9 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
                 f"fallback tables {[t.name for t in self.config.embedding_tables]}: per-sample weights "
                 "that require grad (feature processors) are not supported"
             )
-        indices = features.values().to(self._embedding_table_index_type)
-        offsets = features.offsets().to(self._embedding_table_offset_type)
+        layout = _private.dense_kernel_layout(self)
+        indices = features.values().to(layout.index_dtype)
+        offsets = features.offsets().to(layout.offset_dtype)
         return _LookupThenUpdate.apply(self._anchor, self, indices, offsets, weights)
 
     @torch.no_grad()
@@ -108,7 +189,8 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
 
     def _value_grads(self, grad_out, indices, offsets, weights):
         """Per feature: (row ids, gradient of each looked-up value, table index)."""
-        features = len(self._feature_table_map)
+        layout = _private.dense_kernel_layout(self)
+        features = len(layout.feature_table_map)
         batch = (offsets.numel() - 1) // features
         if batch == 0:
             return
@@ -117,14 +199,14 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
         column = 0
         dims = [w.shape[1] for w in (r.weight for r in self.row_optimizers)]
         bounds = offsets[:: batch].tolist()  # where each feature's values start
-        for f, table in enumerate(self._feature_table_map):
+        for f, table in enumerate(layout.feature_table_map):
             start, end = bounds[f], bounds[f + 1]
             dim = dims[table]
             samples = bag_of_value[start:end] - f * batch
             grads = grad_out[:, column : column + dim].contiguous().index_select(0, samples)
             if weights is not None:
                 grads = grads * weights[start:end, None]
-            if self._pooling == PoolingMode.MEAN:
+            if layout.pooling == PoolingMode.MEAN:
                 grads = grads / lengths[f * batch + samples].clamp(min=1)[:, None]
             column += dim
             yield indices[start:end], grads, table

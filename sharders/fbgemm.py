@@ -1,4 +1,4 @@
-"""FBGEMM's side of a fused table: its state names, its step count, and its live hyperparameters.
+"""The fused kind: FBGEMM's TBE runs the update; its state names, its step count, its live settings.
 
 :mod:`sharders.optimizer_table` decides which settings FBGEMM computes exactly
 and translates them; this module keeps a fused kernel in step with its
@@ -9,8 +9,8 @@ annotation group while it trains:
   scheduler, a user or ``load_state_dict`` reaches the very next backward. A
   change FBGEMM cannot compute (weight decay on Adagrad, momentum on SGD, a
   non-float setting) is refused there, naming the table and the setting;
-- FBGEMM keeps no step count for Adagrad: ``overlap_steps`` counts the backward
-  passes that reached the kernel, which is torch.optim's ``step``;
+- FBGEMM keeps no step count for Adagrad: each fused kernel counts the backward
+  passes that reached it, which is torch.optim's ``step``;
 - :data:`FUSED_ROW_STATE` names FBGEMM's per-row state as torch.optim does.
 
 TorchRec applies a fused kernel's LR only in ``fused_optimizer.step()``, after
@@ -21,7 +21,7 @@ pre-hook is the one place that sees every step in time.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -29,9 +29,10 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 
 from overlap_optim.spec import AnnotationGroup
-from sharders.optimizer_table import KernelChoice, choose_kernel
+from sharders.kernels import BuildContext, KernelChoice, KernelKind, LocalShard, TableKernel
+from sharders.optimizer_table import choose_kernel
 
-__all__ = ["FUSED_ROW_STATE", "install_fused_kernel_hooks", "live_choice", "sync_live_settings"]
+__all__ = ["FUSED_ROW_STATE", "FusedTable", "FusedShardState", "live_choice"]
 
 # Per-row state of each fused kernel type: torch.optim name -> row-wise (one value per row)?
 FUSED_ROW_STATE = {
@@ -41,15 +42,112 @@ FUSED_ROW_STATE = {
 }
 
 
-def install_fused_kernel_hooks(kernels: Iterable[nn.Module], groups: dict[str, AnnotationGroup], device_type: str) -> None:
-    """Keep each fused kernel's settings live (forward pre-hook) and count its steps (in backward)."""
-    for kernel in kernels:
-        kernel.overlap_tables = [t.name for t in kernel.config.embedding_tables]
-        kernel.overlap_group = groups[kernel.overlap_tables[0]]
-        kernel.overlap_device_type = device_type
-        kernel.overlap_steps = 0
-        kernel.register_forward_pre_hook(sync_live_settings)
-        kernel.register_forward_hook(_count_step_in_backward)
+class FusedTable(TableKernel):
+    """A table whose update FBGEMM's fused TBE kernel computes exactly (lazy semantics)."""
+
+    kind = KernelKind.FUSED
+    compute_kernel = "fused"
+
+    def batch_key(self) -> Hashable:
+        # A fused TBE has one learning rate: one kernel per annotation group (its LR schedule).
+        return (self.kind, id(self.group))
+
+    def fbgemm_kwargs(self) -> dict[str, Any]:
+        return dict(self.decision.choice.fbgemm_kwargs)
+
+    @classmethod
+    def adopt(cls, kernel: nn.Module, tables: list[TableKernel], context: BuildContext) -> None:
+        fused = _FusedKernel(kernel, [t.table for t in tables], tables[0].group, context.device_type)
+        for index, (table, config) in enumerate(zip(tables, kernel.config.embedding_tables)):
+            table.shards.append(LocalShard(config.local_metadata, FusedShardState(fused, index, table.state_layout())))
+
+    def check_live(self) -> None:
+        live_choice(self.group, [self.table], self.decision.device_type)
+
+    def state_layout(self) -> dict[str, str]:
+        rowwise = FUSED_ROW_STATE[self.decision.choice.fbgemm_kwargs["optimizer"]]
+        return {name: "row" if row else "element" for name, row in rowwise.items()}
+
+    def scalar_names(self) -> list[str]:
+        return ["step"] if self.state_layout() else []
+
+    def state_bytes(self, shard_shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> int:
+        # FBGEMM keeps its momentum in fp32 whatever the weights' dtype, row-wise ones as (rows,).
+        rows, cols = shard_shape
+        return sum(rows * (1 if layout == "row" else cols) * 4 for layout in self.state_layout().values())
+
+    def runs_as(self) -> str:
+        return f"fused {self.decision.choice.fbgemm_kwargs['optimizer'].name}"
+
+    def why_not_fused(self) -> str:
+        return ""
+
+
+class _FusedKernel:
+    """One fused TBE kernel of ours: its tables, their group, and its step count. Its forward
+    pre-hook keeps FBGEMM's settings live; a hook on its output counts steps in backward."""
+
+    def __init__(self, kernel: nn.Module, tables: list[str], group: AnnotationGroup, device_type: str) -> None:
+        self.emb, self.tables, self.group, self.device_type = kernel.emb_module, tables, group, device_type
+        self.steps = 0
+        kernel.register_forward_pre_hook(lambda _kernel, _inputs: self.sync_live_settings())
+        kernel.register_forward_hook(self._count_in_backward)
+
+    def sync_live_settings(self) -> None:
+        """Push the group's current settings into the kernel, or refuse those FBGEMM cannot compute."""
+        choice = live_choice(self.group, self.tables, self.device_type)
+        self.emb.set_learning_rate(choice.fbgemm_kwargs["learning_rate"])
+        eps = choice.fbgemm_kwargs.get("eps")
+        if eps is not None and self.emb.optimizer_args.eps != eps:
+            self.emb.update_hyper_parameters({"eps": eps})
+
+    def _count_in_backward(self, _kernel: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
+        if output.requires_grad:
+            output.register_hook(self._count)
+
+    def _count(self, _grad: torch.Tensor) -> None:
+        self.steps += 1
+
+
+class FusedShardState:
+    """One table shard's state inside a fused kernel, as torch.optim names it (a
+    :class:`sharders.kernels.ShardState`). FBGEMM allocates it with the kernel, so it always
+    exists: there is no placeholder to make or drop."""
+
+    placeholder_state = False
+
+    def __init__(self, kernel: _FusedKernel, index: int, layout: dict[str, str]) -> None:
+        self._kernel, self._index, self._layout = kernel, index, layout
+
+    @property
+    def row_state(self) -> dict[str, torch.Tensor]:
+        if not self._layout:  # EXACT_SGD keeps none
+            return {}
+        states = self._kernel.emb.split_optimizer_states()[self._index]
+        return {name: (t.view(-1, 1) if layout == "row" else t) for (name, layout), t in zip(self._layout.items(), states)}
+
+    @property
+    def table_state(self) -> dict[str, Any]:
+        return {"step": torch.tensor(float(self._kernel.steps))} if self._layout else {}
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return {**self.row_state, **self.table_state}
+
+    def has_real_state(self) -> bool:
+        return self._kernel.steps > 0
+
+    def init_state(self) -> None:
+        """Nothing to make: FBGEMM's state exists from the start."""
+
+    def drop_placeholder_state(self) -> None:
+        """Nothing to drop."""
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        for name, target in self.row_state.items():
+            target.copy_(state[name].view_as(target))
+        if "step" in state:
+            self._kernel.steps = int(float(state["step"]))
 
 
 def live_choice(group: AnnotationGroup, tables: list[str], device_type: str) -> KernelChoice:
@@ -67,22 +165,3 @@ def live_choice(group: AnnotationGroup, tables: list[str], device_type: str) -> 
             "the start, or run it in the fallback: EmbeddingBagCollectionSharder(fallback_tables=[...])"
         )
     return choice
-
-
-def sync_live_settings(kernel: nn.Module, _inputs: Any = None) -> None:
-    """Push the group's current settings into the kernel, or refuse those FBGEMM cannot compute."""
-    choice = live_choice(kernel.overlap_group, kernel.overlap_tables, kernel.overlap_device_type)
-    emb = kernel.emb_module
-    emb.set_learning_rate(choice.fbgemm_kwargs["learning_rate"])
-    eps = choice.fbgemm_kwargs.get("eps")
-    if eps is not None and emb.optimizer_args.eps != eps:
-        emb.update_hyper_parameters({"eps": eps})
-
-
-def _count_step_in_backward(kernel: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
-    if output.requires_grad:
-        output.register_hook(lambda grad: _add_step(kernel))
-
-
-def _add_step(kernel: nn.Module) -> None:
-    kernel.overlap_steps += 1

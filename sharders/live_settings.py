@@ -6,12 +6,13 @@ fallback table refuses a changed non-float setting when it steps. Only a rank
 that holds the table runs those. On a table_wise table the other ranks would go
 on to the next collective and wait there for a peer that has raised.
 
-So every rank also checks every annotated fused and fallback table of a sharded
-module, wherever it lives, at the start of the module's first lookup. Every
-rank runs that lookup at every step, after the input all-to-all and before any
-other collective of the step, and every rank reads the same param groups (a
-scheduler or a user changes them on all ranks). So they all raise the same
-error at the same point, and none is left waiting.
+So every rank also asks every table kernel of a sharded module, wherever the
+table lives, to check its live settings (:meth:`sharders.kernels.TableKernel.check_live`)
+at the start of the module's first lookup. Every rank runs that lookup at every
+step, after the input all-to-all and before any other collective of the step,
+and every rank reads the same param groups (a scheduler or a user changes them
+on all ranks). So they all raise the same error at the same point, and none is
+left waiting.
 
 Data-parallel tables are left to the DDP hook, which every rank runs anyway. A
 refusal that only a step can show (SGD's momentum raised from 0 on a fallback
@@ -21,37 +22,25 @@ steps.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from torch import nn
 
-from overlap_optim.spec import AnnotationGroup
-from sharders.fbgemm import live_choice
-
-if TYPE_CHECKING:
-    from sharders.embeddingbag import TableDecision
+from sharders import _private
+from sharders.kernels import TableKernel
 
 __all__ = ["install_settings_check"]
 
 
-def install_settings_check(
-    sharded: ShardedEmbeddingBagCollection, decisions: dict[str, TableDecision], device_type: str
-) -> None:
-    """Check every fused and fallback table's live settings before ``sharded``'s first lookup, on every rank."""
-    fused: dict[int, tuple[AnnotationGroup, list[str]]] = {}
-    fallback: list[tuple[str, AnnotationGroup]] = []
-    for name, decision in decisions.items():
-        if decision.kernel == "fused":
-            fused.setdefault(id(decision.group), (decision.group, []))[1].append(name)
-        elif decision.kernel == "fallback":
-            fallback.append((name, decision.group))
-    if not sharded._lookups or not (fused or fallback):
+def install_settings_check(sharded: nn.Module, tables: dict[str, TableKernel]) -> None:
+    """Check every table kernel's live settings before ``sharded``'s first lookup, on every rank."""
+    kernels = list(tables.values())
+    lookups = _private.lookups(sharded)
+    if not lookups:
         return
 
     def check(_lookup: Any, _inputs: Any) -> None:
-        for group, tables in fused.values():
-            live_choice(group, tables, device_type)
-        for name, group in fallback:
-            group.spec.check_live(group.param_group, f"table {name!r}")
+        for kernel in kernels:
+            kernel.check_live()
 
-    sharded._lookups[0].register_forward_pre_hook(check)
+    lookups[0].register_forward_pre_hook(check)

@@ -1,10 +1,14 @@
-"""The one table that decides: torch.optim setting -> FBGEMM fused kernel, or fallback.
+"""The one table that decides: a table's annotation and sharding -> the kind of kernel that runs it.
 
-A table is fused only where FBGEMM computes the same update as ``torch.optim``
-on that device type; its kwargs are then translated, name by name, and nothing
-else reaches FBGEMM. Everything else runs in the fallback kernel, which applies
-the real ``torch.optim`` step to the rows a batch touched. A reader who wants to
-know "why did table t3 not fuse?" finds the answer in :data:`RULES` below.
+:func:`decide` reads a table's annotation and its sharding and returns its
+:class:`~sharders.kernels.TableDecision`, whose ``kind`` picks the class that
+runs it (:mod:`sharders.kernels`); :func:`kernel_kind` is that last step, one
+line per kind. A table is fused only where FBGEMM computes the same update as
+``torch.optim`` on that device type (:func:`choose_kernel`); its kwargs are then
+translated, name by name, and nothing else reaches FBGEMM. Everything else runs
+in the fallback kernel, which applies the real ``torch.optim`` step. A reader
+who wants to know "why did table t3 not fuse?" finds the answer in :data:`RULES`
+below.
 
 Facts behind the rules (measured on torch 2.13 / fbgemm-gpu-cpu 1.8, see
 ``shared/FBGEMM_NOTES.md``):
@@ -21,39 +25,22 @@ Facts behind the rules (measured on torch 2.13 / fbgemm-gpu-cpu 1.8, see
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-from overlap_optim.spec import OptimizerSpec, describe_optimizer, needs_closure
+from overlap_optim.spec import AnnotationGroup, OptimizerSpec, describe_optimizer, needs_closure
+from sharders.cross_shard import cross_shard_class
+from sharders.kernels import COLUMN_SPLITTING, ROW_SPLITTING, KernelChoice, KernelKind, TableDecision
 
 __all__ = [
-    "KernelChoice", "choose_kernel", "semantics_of", "RULES", "DOC_EXAMPLES", "ALL_OPTIMIZERS",
-    "decision_table_markdown", "support_table_markdown", "ROW_SPLITTING", "COLUMN_SPLITTING",
+    "KernelChoice", "choose_kernel", "kernel_kind", "decide", "annotation_of", "RULES", "DOC_EXAMPLES",
+    "ALL_OPTIMIZERS", "decision_table_markdown", "support_table_markdown", "ROW_SPLITTING", "COLUMN_SPLITTING",
 ]
 
-ROW_SPLITTING = ("row_wise", "table_row_wise")
-COLUMN_SPLITTING = ("column_wise", "table_column_wise")
 SHARDING_TYPES = ("data_parallel", "table_wise", *COLUMN_SPLITTING, *ROW_SPLITTING)
-
-
-@dataclass(frozen=True)
-class KernelChoice:
-    """Where one table's update runs.
-
-    Attributes:
-        fused: True for an FBGEMM fused TBE kernel, False for the fallback.
-        fbgemm_kwargs: for a fused table, the complete translated TBE kwargs
-            (``optimizer``, ``learning_rate``, ...); empty for the fallback.
-        reason: for the fallback, the setting that prevented fusion.
-    """
-
-    fused: bool
-    fbgemm_kwargs: dict[str, Any] = field(default_factory=dict)
-    reason: str = ""
 
 
 def _unsupported(s: dict[str, Any], **neutral: Any) -> str:
@@ -143,15 +130,136 @@ def choose_kernel(
     return rule(settings, device_type)
 
 
-def semantics_of(spec: OptimizerSpec, kernel: str, dense_requested: bool = False) -> str:
-    """"lazy" (only touched rows change), "dense" (every row steps, a zero gradient where
-    untouched) or "user", for a table whose update runs in ``kernel``. The fallback is dense
-    for an optimizer that is not row-separable, and for a table whose user asked for it."""
-    if kernel == "user":
-        return "user"
-    if kernel == "data_parallel_hook" or (kernel == "fallback" and (dense_requested or not spec.row_separable)):
-        return "dense"
-    return "lazy"
+def kernel_kind(
+    spec: OptimizerSpec | None,
+    choice: KernelChoice,
+    sharding_type: str,
+    *,
+    frozen: bool = False,
+    cross_shard: bool = False,
+    dense_requested: bool = False,
+) -> KernelKind:
+    """The kind of kernel that runs a table (``spec``: its optimizer, None without annotation):
+    the decision table's last column, one line per kind."""
+    if frozen:  # requires_grad=False wins over any annotation, as torch.optim never steps such a weight
+        return KernelKind.FROZEN
+    if spec is None:
+        return KernelKind.USER
+    if sharding_type == "data_parallel":
+        return KernelKind.DATA_PARALLEL
+    if choice.fused:
+        return KernelKind.FUSED
+    if cross_shard:
+        return KernelKind.CROSS_SHARD
+    if dense_requested or not spec.row_separable:
+        return KernelKind.DENSE
+    return KernelKind.LAZY
+
+
+def decide(
+    table: str,
+    weight: torch.Tensor,
+    sharding_type: str,
+    shard_offsets: list[list[int]],
+    compute_kernel: str,
+    shape: tuple[int, int],
+    device_type: str,
+    torch_made: dict[str, AnnotationGroup],
+    *,
+    pinned: frozenset[str] = frozenset(),
+    dense: frozenset[str] = frozenset(),
+) -> TableDecision:
+    """Where ``table`` runs, from its (unsharded) ``weight``'s annotation and its sharding.
+
+    Args:
+        shard_offsets: the ``[row, col]`` offset of each shard the plan makes of it.
+        compute_kernel: the plan's kernel for it; "dense" pins a fusable table to the fallback.
+        torch_made: shared by the tables of one module (see :func:`annotation_of`).
+        pinned: tables named in ``fallback_tables``; ``dense``: in ``dense_tables``.
+
+    Raises:
+        ValueError: the table is split along an axis its optimizer is not separable by and
+            has no cross-shard form; its optimizer needs a closure.
+    """
+    frozen = not weight.requires_grad
+    group = None if frozen else annotation_of(weight, table, torch_made)
+    cross_shard = False
+    if group is None:  # frozen, or TorchRec's dense kernel with the gradient handed back on the weight
+        choice = KernelChoice(False, reason="frozen: requires_grad=False" if frozen else "no annotation")
+    else:
+        choice = _choice(table, group, compute_kernel, device_type, pinned, dense)
+        cross_shard = _check_separable(table, group, sharding_type, shard_offsets)
+    spec = None if group is None else group.spec
+    kind = kernel_kind(spec, choice, sharding_type, frozen=frozen, cross_shard=cross_shard,
+                       dense_requested=table in dense)
+    return TableDecision(table, sharding_type, shape, group, choice, kind, device_type)
+
+
+def _choice(
+    table: str, group: AnnotationGroup, compute_kernel: str, device_type: str, pinned: frozenset[str],
+    dense: frozenset[str],
+) -> KernelChoice:
+    """FBGEMM's translation, unless the user or the plan keeps the table out of the fused kernel."""
+    choice = choose_kernel(
+        group.optimizer_class, group.optimizer_kwargs, device_type, table=table, settings=group.hyperparameters()
+    )
+    if choice.fused and table in dense:
+        return KernelChoice(False, reason="dense semantics requested (dense_tables)")
+    if choice.fused and table in pinned:
+        return KernelChoice(False, reason="pinned to the fallback (fallback_tables)")
+    if choice.fused and compute_kernel == "dense":
+        return KernelChoice(False, reason="the plan gives it compute kernel 'dense'")
+    return choice
+
+
+def _check_separable(table: str, group: AnnotationGroup, sharding_type: str, offsets: list[list[int]]) -> bool:
+    """Refuse a table split along an axis its optimizer cannot be split by (its update reads
+    the whole matrix: Adafactor's factored moments, Muon's orthogonalisation, a per-row
+    accumulator split into column shards), unless :mod:`sharders.cross_shard` has a cross-shard
+    form of it: then True, the table's statistics travel in the module's round."""
+    spec = group.spec
+    for axis, what, separable in ((0, "row", spec.row_separable), (1, "column", spec.column_separable)):
+        if separable or len({o[axis] for o in offsets}) <= 1:
+            continue
+        if cross_shard_class(spec.optimizer_class) is not None:
+            return True
+        works = ["table_wise", "data_parallel"]
+        works += list(ROW_SPLITTING) if spec.row_separable else []
+        works += list(COLUMN_SPLITTING) if spec.column_separable else []
+        raise ValueError(
+            f"table {table!r}: {spec.name}'s update is not separable by {what}s (stepping {what} pieces "
+            f"apart differs from stepping the whole table), and {sharding_type} sharding splits "
+            f"this table into {what} shards; use {', '.join(works)} for this table"
+        )
+    return False
+
+
+def annotation_of(
+    weight: torch.Tensor, table: str, torch_made: dict[str, AnnotationGroup] | None = None
+) -> AnnotationGroup | None:
+    """The table's annotation, also when torch's own ``_apply_optimizer_in_backward`` made it;
+    None for a table with no annotation.
+
+    Tables that torch's function annotated with equal settings share one group
+    per ``torch_made`` dict (that function does not record which call made what).
+    """
+    group = getattr(weight, "_overlap_group", None)
+    if group is not None:
+        return group
+    classes = getattr(weight, "_optimizer_classes", None)
+    if not classes or classes[0] is None:
+        return None
+    cls, kwargs = classes[0], dict(weight._optimizer_kwargs[0])
+    made = {} if torch_made is None else torch_made
+    label = f"{cls.__module__}.{cls.__qualname__}{sorted(kwargs.items())}"
+    if label not in made:
+        if needs_closure(cls):
+            raise ValueError(f"table {table!r}: {cls.__name__} needs a closure in step() and cannot run in backward")
+        try:
+            made[label] = AnnotationGroup(describe_optimizer(cls, kwargs))
+        except (TypeError, ValueError, NotImplementedError) as err:  # name the table torch annotated
+            raise type(err)(f"table {table!r}: {err}") from None
+    return made[label]
 
 
 def _support(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], sharding_type: str, device: str) -> str:
@@ -164,8 +272,9 @@ def _support(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], sharding_
     if sharding_type == "data_parallel":
         return "exact, dense (DDP hook)"
     choice = choose_kernel(cls, kwargs, device, settings=spec.defaults)
+    kind = kernel_kind(spec, choice, sharding_type)
     kernel = "fused" if choice.fused else "fallback"
-    return f"exact, {semantics_of(spec, kernel)} ({kernel})"
+    return f"exact, {'lazy' if kind in (KernelKind.FUSED, KernelKind.LAZY) else 'dense'} ({kernel})"
 
 
 def support_table_markdown(

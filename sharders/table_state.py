@@ -24,50 +24,17 @@ were saved.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
+from overlap_optim import _private
 from overlap_optim.spec import AnnotationGroup
-from overlap_optim.update import TableOptimizer
-from sharders.fbgemm import FUSED_ROW_STATE
-from sharders.layerwise import LAYOUTS, sharded_state_layouts, split_axis
+from sharders.kernels import LAYOUTS, LocalShard, TableKernel
 
 __all__ = ["ShardedTables"]
-
-@dataclasses.dataclass
-class _Piece:
-    """One local shard of a table and where its optimizer state lives."""
-
-    metadata: ShardMetadata  # of the weight shard
-    kernel: Any = None  # a fused kernel, with its table index
-    index: int = 0
-    rows: TableOptimizer | None = None  # or the fallback's table optimizer
-
-    def row_state(self, row_names: dict[str, str]) -> dict[str, torch.Tensor]:
-        if self.rows is not None:
-            return self.rows.row_state
-        states = self.kernel.emb_module.split_optimizer_states()[self.index]
-        return {name: (t.view(-1, 1) if layout == "row" else t) for (name, layout), t in zip(row_names.items(), states)}
-
-    def table_state(self, scalar_names: list[str]) -> dict[str, Any]:
-        if self.rows is not None:
-            return dict(self.rows.table_state)
-        return {"step": torch.tensor(float(self.kernel.overlap_steps))} if scalar_names else {}
-
-    def has_state(self) -> bool:
-        return self.rows is None or bool(self.rows.state)
-
-    def has_real_state(self) -> bool:
-        """State that is not an init_state placeholder; a fused table's once it has stepped."""
-        if self.rows is None:
-            return self.kernel.overlap_steps > 0
-        return bool(self.rows.state) and not self.rows.placeholder_state
 
 
 @dataclasses.dataclass
@@ -76,49 +43,36 @@ class _Table:
     group: AnnotationGroup
     size: tuple[int, int]
     dtype: torch.dtype
-    shards: list[ShardMetadata]  # every shard of the weight, on every rank
-    row_names: dict[str, str]  # sharded state name -> a layout of sharders.layerwise.LAYOUTS
+    shards: list[Any]  # every shard's ShardMetadata, on every rank
+    row_names: dict[str, str]  # sharded state name -> a layout of sharders.kernels.LAYOUTS
     scalar_names: list[str]  # per-table (or replicated) state names
-    pieces: list[_Piece]
+    pieces: list[LocalShard]  # this rank's shards
 
 
 class ShardedTables:
     """The model-parallel tables of one sharded EBC and their torch.optim-form state.
 
+    Built from the module's table kernels: a kernel with ``sharded_state`` gives its
+    state layout and its local shards' state objects; no kind is special here.
     ``state_dict()`` is a collective over the module's process group when some
     table lives on another rank: call it on every rank.
     """
 
-    def __init__(self, sharded: torch.nn.Module, decisions: dict[str, Any], process_group: Any) -> None:
+    def __init__(self, weights: dict[str, Any], kernels: dict[str, TableKernel], process_group: Any) -> None:
         self.process_group = process_group
-        self.weights: dict[str, Any] = dict(sharded._model_parallel_name_to_sharded_tensor)
+        self.weights = {name: w for name, w in weights.items() if kernels[name].sharded_state}
         self.tables: dict[str, _Table] = {}
-        pieces = _local_pieces(sharded)
-        for name, weight in list(self.weights.items()):
-            decision = decisions[name]
-            if decision.group is None:  # no annotation: the user's optimizer keeps its state
-                del self.weights[name]
-                continue
-            if decision.kernel == "fused":
-                fused = FUSED_ROW_STATE[decision.choice.fbgemm_kwargs["optimizer"]]
-                row_names = {name: "row" if rowwise else "element" for name, rowwise in fused.items()}
-                scalars = ["step"] if row_names else []
-            else:
-                spec = decision.group.spec
-                if decision.cross_shard:  # factors may be sharded or whole, by the split axis
-                    row_names = sharded_state_layouts(spec, split_axis(decision))
-                else:  # what the table optimizer slices by rows
-                    row_names = {n: spec.state[n].layout for n in spec.row_keys()}
-                scalars = [n for n in spec.state if n not in row_names]
+        for name, weight in self.weights.items():
+            kernel = kernels[name]
             self.tables[name] = _Table(
                 name,
-                decision.group,
+                kernel.group,
                 tuple(weight.metadata().size),
                 weight.metadata().tensor_properties.dtype,
                 list(weight.metadata().shards_metadata),
-                row_names,
-                scalars,
-                pieces.get(name, []),
+                kernel.state_layout(),
+                kernel.scalar_names(),
+                kernel.shards,
             )
 
     def keys(self) -> list[str]:
@@ -147,22 +101,20 @@ class ShardedTables:
         return out
 
     def init_state(self) -> None:
-        """Give every local fallback shard its (placeholder) state; fused state always exists."""
+        """Give every local shard its (placeholder) state, where it has none yet."""
         for table in self.tables.values():
             for piece in table.pieces:
-                if piece.rows is not None:
-                    piece.rows.init_state()
+                piece.state.init_state()
 
     def drop_placeholder_state(self) -> None:
         """Undo :meth:`init_state` where nothing was loaded over it."""
         for table in self.tables.values():
             for piece in table.pieces:
-                if piece.rows is not None:
-                    piece.rows.drop_placeholder_state()
+                piece.state.drop_placeholder_state()
 
     def keys_with_state(self) -> list[str]:
         """Keys of the tables with real state on some rank (a collective, like :meth:`state_dict`)."""
-        local = [t.name for t in self.tables.values() if any(p.has_real_state() for p in t.pieces)]
+        local = [t.name for t in self.tables.values() if any(p.state.has_real_state() for p in t.pieces)]
         if dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
             gathered: list[Any] = [None] * dist.get_world_size(self.process_group)
             dist.all_gather_object(gathered, local, group=self.process_group)
@@ -195,13 +147,7 @@ class ShardedTables:
         for piece in table.pieces:
             rows = {name: self._slice(saved[name], table, name, piece) for name in table.row_names}
             scalars = {n: v for n, v in saved.items() if n not in table.row_names}
-            if piece.rows is not None:
-                piece.rows.load_state({**rows, **scalars})
-                continue
-            for name, target in piece.row_state(table.row_names).items():
-                target.copy_(rows[name].view_as(target))
-            if "step" in scalars:
-                piece.kernel.overlap_steps = int(float(scalars["step"]))
+            piece.state.load_state({**rows, **scalars})
 
     # -- internals --
 
@@ -209,8 +155,8 @@ class ShardedTables:
         """Per table, its per-table state from a rank that holds it (None: no state yet)."""
         local = {}
         for table in self.tables.values():
-            held = [p for p in table.pieces if p.has_state()]
-            local[table.name] = held[0].table_state(table.scalar_names) if held else None
+            held = [p for p in table.pieces if p.state.state]
+            local[table.name] = dict(held[0].state.table_state) if held else None
         if not (dist.is_initialized() and dist.get_world_size(self.process_group) > 1):
             return local
         gathered: list[Any] = [None] * dist.get_world_size(self.process_group)
@@ -222,31 +168,29 @@ class ShardedTables:
     def _global_shape(self, table: _Table, name: str) -> tuple[int, ...]:
         return LAYOUTS[table.row_names[name]](*table.size)
 
-    def _state_metadata(self, table: _Table, name: str, shard: ShardMetadata) -> ShardMetadata:
+    def _state_metadata(self, table: _Table, name: str, shard: Any) -> Any:
         """The piece of a state entry that the weight shard ``shard`` holds."""
         layout = LAYOUTS[table.row_names[name]]
         (row, col), (rows, cols) = shard.shard_offsets, shard.shard_sizes
-        return ShardMetadata(list(layout(row, col, zero=0)), list(layout(rows, cols, zero=1)), shard.placement)
+        return _private.ShardMetadata(list(layout(row, col, zero=0)), list(layout(rows, cols, zero=1)), shard.placement)
 
-    def _sharded(self, table: _Table, name: str) -> ShardedTensor:
-        metadata = ShardedTensorMetadata(
+    def _sharded(self, table: _Table, name: str) -> Any:
+        metadata = _private.ShardedTensorMetadata(
             shards_metadata=[self._state_metadata(table, name, s) for s in table.shards],
             size=torch.Size(self._global_shape(table, name)),
-            tensor_properties=TensorProperties(dtype=table.dtype),
+            tensor_properties=_private.TensorProperties(dtype=table.dtype),
         )
         local = [
-            Shard(piece.row_state(table.row_names)[name], self._state_metadata(table, name, piece.metadata))
+            _private.Shard(piece.state.row_state[name], self._state_metadata(table, name, piece.metadata))
             for piece in table.pieces
         ]
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            local, metadata, process_group=self.process_group
-        )
+        return _private.sharded_tensor_from_local_shards(local, metadata, self.process_group)
 
-    def _slice(self, value: Any, table: _Table, name: str, piece: _Piece) -> torch.Tensor:
+    def _slice(self, value: Any, table: _Table, name: str, piece: LocalShard) -> torch.Tensor:
         """The part of a saved state tensor that ``piece`` holds."""
         md = self._state_metadata(table, name, piece.metadata)
         offsets, sizes = list(md.shard_offsets), list(md.shard_sizes)
-        if isinstance(value, ShardedTensor):
+        if isinstance(value, _private.ShardedTensor):
             for shard in value.local_shards():
                 if list(shard.metadata.shard_offsets) == offsets and list(shard.metadata.shard_sizes) == sizes:
                     return shard.tensor
@@ -256,20 +200,3 @@ class ShardedTables:
 
 def _table_of(key: str) -> str:
     return key[len("embedding_bags.") : -len(".weight")]
-
-
-def _local_pieces(sharded: torch.nn.Module) -> dict[str, list[_Piece]]:
-    """table -> the local shards of it in fused or fallback kernels."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    pieces: dict[str, list[_Piece]] = {}
-    for lookup in sharded._lookups:
-        if isinstance(lookup, DistributedDataParallel):
-            continue
-        for kernel in getattr(lookup, "_emb_modules", []):
-            rows = getattr(kernel, "row_optimizers", None)
-            for index, config in enumerate(kernel.config.embedding_tables):
-                piece = _Piece(config.local_metadata, kernel, index, rows[index] if rows is not None else None)
-                pieces.setdefault(config.name, []).append(piece)
-    return pieces
-

@@ -130,7 +130,9 @@ def kernel_tables(dmp) -> list[list[str]]:
 
 def kernel_kinds(dmp) -> dict[str, str]:
     """Table -> "fused" or "fallback", as the sharder decided."""
-    return {n: d.kernel for n, d in dmp.module.ebc._overlap_decisions.items()}
+    import sharders
+
+    return {n: d.kernel for n, d in sharders.plan_of(dmp.module.ebc).tables.items()}
 
 
 def _local(value) -> torch.Tensor:

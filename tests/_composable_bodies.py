@@ -25,16 +25,9 @@ def _annotate_some(model, names=NAMES, settings=SETTINGS):
         apply_optimizer_in_backward(cls, model.ebc.embedding_bags[name].parameters(), kwargs)
 
 
-def bare_tables(rank, world_size):
-    """Per sharding type: the bare table's gradient comes back and the user's Adam trains it
+def train_with_bare(rank, world_size, sharding_type, steps=3):
+    """On ``sharding_type``: the bare table's gradient comes back and the user's Adam trains it
     (with the MLP); the annotated tables keep their kernels; compared after every step."""
-    out = {}
-    for sharding_type in ("table_wise", "row_wise", "data_parallel"):
-        out[sharding_type] = _train_with_bare(rank, world_size, sharding_type)
-    return out
-
-
-def _train_with_bare(rank, world_size, sharding_type, steps=3):
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 

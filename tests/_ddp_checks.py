@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -121,16 +122,26 @@ class _nothing:
         return False
 
 
-def all_checks(rank, world_size):
-    out = {case: parity(rank, case) for case in CASES}
-    out["multi_bucket"] = parity(rank, "three_lrs_two_classes", bucket_cap_mb=0.0002)
-    out["unannotated_bias"] = parity(rank, "three_lrs_two_classes", unannotated_bias=True)
-    out["fp16"] = parity(rank, "sgd_momentum", comm="fp16")
-    out["bf16"] = parity(rank, "sgd_momentum", comm="bf16")
-    out["accumulate_3"] = parity(rank, "adam", accumulate=3)
-    out["scheduled"] = parity(rank, "three_lrs_two_classes", schedule=_warmup_then_decay, steps=6)
-    out["buckets_seen"] = _bucket_count(bucket_cap_mb=0.0002)
-    return out
+def parity_case(rank, world_size, case, **options):
+    """``parity`` of ``CASES[case]``, as a case of ``overlap_optim.testing.run_cases``."""
+    return parity(rank, case, **options)
+
+
+def bucket_count(rank, world_size):
+    return _bucket_count(bucket_cap_mb=0.0002)
+
+
+# The checks of tests/test_dense_hook.py, run in one spawned group and reported one by one.
+CHECKS = {
+    **{case: partial(parity_case, case=case) for case in CASES},
+    "multi_bucket": partial(parity_case, case="three_lrs_two_classes", bucket_cap_mb=0.0002),
+    "unannotated_bias": partial(parity_case, case="three_lrs_two_classes", unannotated_bias=True),
+    "fp16": partial(parity_case, case="sgd_momentum", comm="fp16"),
+    "bf16": partial(parity_case, case="sgd_momentum", comm="bf16"),
+    "accumulate_3": partial(parity_case, case="adam", accumulate=3),
+    "scheduled": partial(parity_case, case="three_lrs_two_classes", schedule=_warmup_then_decay, steps=6),
+    "buckets_seen": bucket_count,
+}
 
 
 def _bucket_count(bucket_cap_mb: float) -> int:

@@ -52,31 +52,29 @@ DENSE_CASES = {
 }
 
 
-def dense_layerwise(rank, world_size, steps=4):
-    """Each case through our DDP hook against the reference on the global batch, every step:
-    {case: how far the reference moved}."""
-    moved = {}
-    for name, annotate in DENSE_CASES.items():
-        model = _mlp()
-        reference = copy.deepcopy(model)
-        annotate(model, ours=True)
-        ref_opts = annotate(reference, ours=False)
-        ddp = DistributedDataParallel(model)
-        overlap_optim.register_optimizer_hook(ddp)
-        start = [p.detach().clone() for p in reference.parameters()]
-        for step in range(steps):
-            generator = torch.Generator().manual_seed(step)
-            inputs = [torch.randn(4, 6, generator=generator) for _ in range(world_size)]
-            ddp(inputs[rank]).pow(2).mean().backward()
-            reference(torch.cat(inputs)).pow(2).mean().backward()
-            for opt in ref_opts:
-                opt.step()
-                opt.zero_grad()
-            for (n, p), q in zip(model.named_parameters(), reference.parameters()):
-                diff = (p.detach() - q.detach()).abs().max().item()
-                assert diff <= 1e-5, f"{name}, step {step}, {n}: {diff:.3g} from the reference"
-        moved[name] = min((q.detach() - s).abs().max().item() for q, s in zip(reference.parameters(), start))
-    return moved
+def dense_layerwise(rank, world_size, name, steps=4):
+    """Case ``name`` of DENSE_CASES through our DDP hook against the reference on the global batch,
+    every step: how far the reference moved."""
+    annotate = DENSE_CASES[name]
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    annotate(model, ours=True)
+    ref_opts = annotate(reference, ours=False)
+    ddp = DistributedDataParallel(model)
+    overlap_optim.register_optimizer_hook(ddp)
+    start = [p.detach().clone() for p in reference.parameters()]
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(step)
+        inputs = [torch.randn(4, 6, generator=generator) for _ in range(world_size)]
+        ddp(inputs[rank]).pow(2).mean().backward()
+        reference(torch.cat(inputs)).pow(2).mean().backward()
+        for opt in ref_opts:
+            opt.step()
+            opt.zero_grad()
+        for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+            diff = (p.detach() - q.detach()).abs().max().item()
+            assert diff <= 1e-5, f"{name}, step {step}, {n}: {diff:.3g} from the reference"
+    return min((q.detach() - s).abs().max().item() for q, s in zip(reference.parameters(), start))
 
 
 # -- layer-wise optimizers on split tables (sharders/layerwise.py) --
@@ -100,17 +98,14 @@ LAYERWISE = {
 }
 
 
-def split_tables(rank, world_size):
-    """Every layer-wise optimizer on every split sharding type, 4 steps, on batches that touch
-    every row and on batches that leave rows untouched (dense semantics either way):
-    {(sharding type, partial): how far each reference table moved}."""
-    names = list(LAYERWISE)
-    return {
-        (sharding_type, not cover): train_and_compare(
-            rank, world_size, names, list(LAYERWISE.values()), sharding_type, steps=4, cover=cover)
-        for sharding_type in SPLITTING
-        for cover in (True, False)
-    }
+def split_table(rank, world_size, sharding_type, cover):
+    """Every layer-wise optimizer on one split sharding type, 4 steps, on batches that touch every
+    row (``cover``) or leave rows untouched (dense semantics either way): how far each reference
+    table moved, and each table's differences from the reference after every step."""
+    diffs = {}
+    moved = train_and_compare(rank, world_size, list(LAYERWISE), list(LAYERWISE.values()), sharding_type, steps=4,
+                              cover=cover, diffs=diffs)
+    return {"moved": moved, "diffs": diffs}
 
 
 def _sharded(names, settings, sharding_type, world_size, dense=None, seed=0):
@@ -219,11 +214,6 @@ def untouched_shard(rank, world_size, steps=4):
         generator = torch.Generator().manual_seed(950 + step)
         parts = [_first_rows_batch(names, generator) for _ in range(world_size)]
         step_side_by_side(dmp, reference, ref_opts, names, parts, rank, step)
-    rounds = dmp.module.ebc.overlap_round.rounds
+    rounds = sharders.plan_of(dmp.module.ebc).round.rounds
     untouched = {n: (reference.ebc.embedding_bags[n].weight.detach() - start[n])[6:].abs().max().item() for n in names}
     return {"rounds": rounds, "untouched_rows_moved": untouched}
-
-
-def layerwise_checks(rank, world_size):
-    return {"split": split_tables(rank, world_size), "rounds": round_counts(rank, world_size),
-            "mixed": mixed_model(rank, world_size), "untouched": untouched_shard(rank, world_size)}

@@ -138,7 +138,7 @@ def lazy_run(rank: int, world_size: int, sharding_type: str) -> dict:
     dmp, start_model, _ = build(NAMES, settings, sharding_type, world_size, sharder=sharder)
     kernels = {}
     for module in dmp.modules():
-        for name, decision in (getattr(module, "_overlap_decisions", None) or {}).items():
+        for name, decision in (getattr(sharders.plan_of(module), "tables", None) or {}).items():
             kernels[name] = (decision.kernel, decision.semantics)
 
     main = Reference(start_model, {n: CASES[n][1] for n in NAMES}, rescale_eps=("adam",))
@@ -182,8 +182,3 @@ def lazy_run(rank: int, world_size: int, sharding_type: str) -> dict:
         out["steps"].append(record)
     out["moved"] = {n: (main.weight(n) - start[n]).abs().max().item() for n in NAMES}
     return out
-
-
-def lazy_all(rank: int, world_size: int, sharding_types=("table_wise", "row_wise")) -> dict:
-    """Every check, for each sharding type, in one spawned group."""
-    return {st: lazy_run(rank, world_size, st) for st in sharding_types}

@@ -290,12 +290,3 @@ def dmp_with_local_sgd(rank, world_size, steps=7, period=3):
         dist.all_gather(gathered, flat)
         spreads.append(max((g - gathered[0]).abs().max().item() for g in gathered))
     return {"spreads": spreads, "periods": sync.period}
-
-
-def all_checks(rank, world_size, directory):
-    return {
-        "averager": simulation_matches_periodic_model_averager(rank, world_size),
-        "cases": {name: ours_against_simulation(rank, world_size, name) for name in CASES},
-        "resume": mid_round_checkpoint(rank, world_size, directory),
-        "dmp": dmp_with_local_sgd(rank, world_size),
-    }

@@ -66,8 +66,12 @@ def local_pieces(dmp, name):
     return [(0, 0, value)]
 
 
-def compare(dmp, reference, names, step, atol=1e-5):
-    """Assert every weight matches; returns the largest dense difference."""
+def compare(dmp, reference, names, step, atol=1e-5, diffs=None):
+    """Assert every weight matches; returns the largest dense difference.
+
+    ``diffs``: a dict to append each table's difference to (table -> one per call) instead of
+    asserting it, so that one table's divergence does not hide the others'; the caller asserts.
+    """
     state = dmp.state_dict()
     dense_diff = 0.0
     for name, ref in reference.dense.named_parameters():
@@ -79,8 +83,21 @@ def compare(dmp, reference, names, step, atol=1e-5):
         for row, col, piece in local_pieces(dmp, name):
             want = ref[row : row + piece.shape[0], col : col + piece.shape[1]]
             diff = (piece - want).abs().max().item() if piece.numel() else 0.0
-            assert diff <= atol, f"step {step}, table {name}: max diff {diff:.3g} from torch.optim"
+            if diffs is None:
+                assert diff <= atol, f"step {step}, table {name}: max diff {diff:.3g} from torch.optim"
+            else:
+                diffs.setdefault(name, []).append(diff)
     return dense_diff
+
+
+def assert_table_exact(per_rank, name, atol, label):
+    """In the parent: table ``name`` within ``atol`` of torch.optim at every comparison on every
+    rank, from each rank's ``diffs`` (``train_and_compare(diffs=...)``); some rank holds a piece."""
+    assert any(name in out["diffs"] for out in per_rank), f"{label}: no rank holds a piece of {name}"
+    for rank, out in enumerate(per_rank):
+        bad = [(i, d) for i, d in enumerate(out["diffs"].get(name, [])) if not d <= atol]
+        assert not bad, (f"{label}, rank {rank}, table {name}: max diff {bad[0][1]:.3g} from torch.optim "
+                         f"(comparison {bad[0][0]})")
 
 
 def step_side_by_side(dmp, reference, ref_opts, names, parts, rank, step, user=None):
@@ -103,10 +120,13 @@ def warmup_then_decay(step: int) -> float:
 
 def train_and_compare(
     rank, world_size, names, settings, sharding_type, steps=3, cover=True, dense=None, comm=None, schedule=None,
-    change=None, pinned=(), dim=8,
+    change=None, pinned=(), dim=8, diffs=None,
 ):
     """Train sharded and reference side by side; compare after every step. Returns how far
     the reference moved, per table (and ``"dense"``: the MLP).
+
+    ``diffs``: a dict that gets each table's differences from torch.optim (table -> one per step
+    and local piece), for the caller to assert, instead of asserting them here.
 
     ``schedule``: a LambdaLR function, or a factory ``optimizer -> scheduler``, applied through
     ``get_optimizers`` and to each reference optimizer. ``change(step, groups)``: called after
@@ -147,7 +167,7 @@ def train_and_compare(
         reference.zero_grad()
         if users:
             users[0].zero_grad()
-        dense_diff = max(dense_diff, compare(dmp, reference, names, step, atol=atol))
+        dense_diff = max(dense_diff, compare(dmp, reference, names, step, atol=atol, diffs=diffs))
     moved = {n: (reference.ebc.embedding_bags[n].weight.detach() - start[n]).abs().max().item() for n in names}
     moved["dense_diff"] = dense_diff
     moved["dense"] = min((p.detach() - s).abs().max().item() for p, s in zip(reference.dense.parameters(), dense_start))
@@ -157,34 +177,33 @@ def train_and_compare(
 SHARDING_TYPES = ("data_parallel", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
 
 
-def matrix(rank, world_size, cases, sharding_types=SHARDING_TYPES, partial=()):
-    """Every case as its own table of one EBC, for each sharding type. A case whose optimizer
-    the optimizer model finds not separable along the axis a sharding type splits is built
-    alone instead, and its refusal message is returned. ``partial``: sharding types to run
-    again, with the cases that are not row-separable (dense semantics), on batches that touch
-    only some rows."""
-    out = {"moved": {}, "refused": {}, "partial": {}}
-    for sharding_type in sharding_types:
-        kept = [c for c in cases if _accepted_on(c, sharding_type)]
-        names = [c[0] for c in kept]
-        out["moved"][sharding_type] = train_and_compare(
-            rank, world_size, names, [(c[1], c[2]) for c in kept], sharding_type
-        )
-        for case in cases:
-            if case not in kept:
-                out["refused"][f"{sharding_type}/{case[0]}"] = _refusal(case, sharding_type, world_size)
-    dense = [c for c in cases if not _row_separable(c)]  # lazy ones differ on partial batches
-    for sharding_type in partial:
-        out["partial"][sharding_type] = train_and_compare(
-            rank, world_size, [c[0] for c in dense], [(c[1], c[2]) for c in dense], sharding_type, cover=False, steps=4
-        )
-    return out
+def parity(rank, world_size, cases, sharding_type):
+    """Every case as its own table of one EBC on ``sharding_type``: how far each reference table
+    moved, each table's differences from torch.optim after every step, and, for each case whose
+    optimizer the optimizer model finds not separable along the axis ``sharding_type`` splits,
+    the refusal message of that case built alone."""
+    kept = [c for c in cases if _accepted_on(c, sharding_type)]
+    diffs = {}
+    moved = train_and_compare(rank, world_size, [c[0] for c in kept], [(c[1], c[2]) for c in kept], sharding_type,
+                              diffs=diffs)
+    refused = {c[0]: _refusal(c, sharding_type, world_size) for c in cases if c not in kept}
+    return {"moved": moved, "diffs": diffs, "refused": refused}
+
+
+def parity_on_partial_batches(rank, world_size, cases, sharding_type):
+    """The cases that are not row-separable (dense semantics: lazy ones differ here) again, on
+    batches that touch only some rows: how far each moved, and each one's differences."""
+    dense = [c for c in cases if not _row_separable(c)]
+    diffs = {}
+    moved = train_and_compare(rank, world_size, [c[0] for c in dense], [(c[1], c[2]) for c in dense], sharding_type,
+                              cover=False, steps=4, diffs=diffs)
+    return {"moved": moved, "diffs": diffs}
 
 
 def _accepted_on(case, sharding_type) -> bool:
     """Separable along the axis ``sharding_type`` splits, or with a cross-shard form."""
     from overlap_optim.spec import describe_optimizer
-    from sharders.layerwise import cross_shard_class
+    from sharders.cross_shard import cross_shard_class
 
     spec = describe_optimizer(case[1], case[2])
     if cross_shard_class(case[1]) is not None:
@@ -300,27 +319,23 @@ def _local(value):
     return value.clone() if torch.is_tensor(value) else torch.tensor(value)
 
 
-def behaviour(rank, world_size):
-    """Every non-parity check that needs 2 ranks, in one spawned group."""
-    mixed = [("sgd", torch.optim.SGD, {"lr": 0.1}), ("adam", torch.optim.Adam, {"lr": 0.05})]
-    names, settings = [c[0] for c in mixed], [(c[1], c[2]) for c in mixed]
-    dense = (torch.optim.AdamW, {"lr": 0.02, "weight_decay": 0.1})
-    return {
-        "with_dense": {
-            st: train_and_compare(rank, world_size, names, settings, st, dense=dense)
-            for st in ("table_wise", "data_parallel")
-        },
-        "scheduled": {
-            st: train_and_compare(rank, world_size, ["sgd", "adagrad", "adam"],
-                                  [(torch.optim.SGD, {"lr": 0.1}), (torch.optim.Adagrad, {"lr": 0.2}),
-                                   (torch.optim.Adam, {"lr": 0.05})],
-                                  st, steps=10, dense=dense, schedule=warmup_then_decay)
-            for st in ("table_wise", "row_wise", "data_parallel")
-        },
-        "with_dense_bf16": train_and_compare(rank, world_size, names, settings, "table_wise", dense=dense, comm="bf16"),
-        "grouping": grouping_and_describe(rank, world_size),
-        "lazy": {st: lazy_rows(rank, world_size, st) for st in ("table_wise", "row_wise")},
-    }
+_MIXED = [("sgd", torch.optim.SGD, {"lr": 0.1}), ("adam", torch.optim.Adam, {"lr": 0.05})]
+_DENSE_ADAMW = (torch.optim.AdamW, {"lr": 0.02, "weight_decay": 0.1})
+
+
+def with_dense(rank, world_size, sharding_type, comm=None):
+    """An SGD and an Adam table, and the MLP's AdamW through our DataParallelWrapper (``comm``: its
+    allreduce_comm_precision), against torch.optim every step: how far each moved."""
+    return train_and_compare(rank, world_size, [c[0] for c in _MIXED], [(c[1], c[2]) for c in _MIXED],
+                             sharding_type, dense=_DENSE_ADAMW, comm=comm)
+
+
+def scheduled(rank, world_size, sharding_type):
+    """A warm-up-then-decay LambdaLR through get_optimizers, 10 steps, on fused, fallback and dense."""
+    return train_and_compare(rank, world_size, ["sgd", "adagrad", "adam"],
+                             [(torch.optim.SGD, {"lr": 0.1}), (torch.optim.Adagrad, {"lr": 0.2}),
+                              (torch.optim.Adam, {"lr": 0.05})],
+                             sharding_type, steps=10, dense=_DENSE_ADAMW, schedule=warmup_then_decay)
 
 
 def scheduler_factory(fn):
@@ -364,56 +379,63 @@ def _train_steps(dmp, names, world_size, rank, steps, before_step=None):
         loss_of(dmp, parts[rank]).backward()
 
 
-def live_settings(rank, world_size):
-    """Settings changed at run time: exact where a kernel can apply them, a clear error elsewhere."""
+LIVE_TABLES = ["adagrad", "adagrad_pinned", "rowwise", "sgd", "adam"]
+
+
+def live_exact(rank, world_size, sharding_type):
+    """lr, eps and weight decay changed by hand after the first step (``_after_first_step``):
+    how far each reference table (and the MLP) moved, and each table's differences."""
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    names = ["adagrad", "adagrad_pinned", "rowwise", "sgd", "adam"]
     settings = [(torch.optim.Adagrad, {"lr": 0.2, "eps": 1e-8}), (torch.optim.Adagrad, {"lr": 0.2}),
                 (RowWiseAdagrad, {"lr": 0.2}), (torch.optim.SGD, {"lr": 0.1}), (torch.optim.Adam, {"lr": 0.05})]
-    dense = (torch.optim.Adam, {"lr": 0.02})
-    out = {"exact": {}, "one_cycle": {}, "errors": {}}
-    for st in ("table_wise", "row_wise", "data_parallel"):
-        out["exact"][st] = train_and_compare(rank, world_size, names, settings, st, steps=3, dense=dense,
-                                             change=_after_first_step, pinned=("adagrad_pinned",))
-    cycled = [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), (torch.optim.Adam, {"lr": 0.05})]
-    for (cls, kwargs), name in zip(cycled, ("sgd_momentum", "adam")):
-        out["one_cycle"][name] = train_and_compare(rank, world_size, [name], [(cls, kwargs)], "row_wise", steps=4,
-                                                   schedule=scheduler_factory(_one_cycle))
-    out["errors"] = _live_setting_errors(rank, world_size)
-    return out
+    diffs = {}
+    moved = train_and_compare(rank, world_size, LIVE_TABLES, settings, sharding_type, steps=3,
+                              dense=(torch.optim.Adam, {"lr": 0.02}), change=_after_first_step,
+                              pinned=("adagrad_pinned",), diffs=diffs)
+    return {"moved": moved, "diffs": diffs}
 
 
-def _live_setting_errors(rank, world_size):
-    """Each on row_wise or data_parallel, where every rank holds the table; then two on table_wise,
-    where one rank holds the changed table."""
-    errors = {}
+def live_one_cycle(rank, world_size, name):
+    """OneCycleLR, cycling lr and momentum (SGD) or betas (Adam), on one row_wise table."""
+    cls, kwargs = {"sgd_momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+                   "adam": (torch.optim.Adam, {"lr": 0.05})}[name]
+    return train_and_compare(rank, world_size, [name], [(cls, kwargs)], "row_wise", steps=4,
+                             schedule=scheduler_factory(_one_cycle))
 
-    def run(names, settings, sharding_type, before_step, pinned=(), dense=None):
-        dmp, _, _ = build(names, settings, sharding_type, world_size, pinned_dense=pinned, dense=dense)
-        keyed = overlap_optim.get_optimizers(dmp)
-        return _first_error(lambda: _train_steps(dmp, names, world_size, rank, 2,
-                                                 lambda step: step == 1 and before_step(keyed)))
 
-    def set_key(index, key, value):
-        return lambda keyed: keyed.param_groups[index].__setitem__(key, value)
+def _set_key(index, key, value):
+    return lambda keyed: keyed.param_groups[index].__setitem__(key, value)
 
-    adagrad = [(torch.optim.Adagrad, {"lr": 0.2})]
-    errors["fused_adagrad_weight_decay"] = run(["t_ada"], adagrad, "row_wise", set_key(0, "weight_decay", 0.01))
-    errors["fused_sgd_one_cycle"] = run(["t_sgd"], [(torch.optim.SGD, {"lr": 0.1})], "row_wise", _one_cycle)
-    errors["fallback_sgd_momentum"] = run(["t_sgd"], [(torch.optim.SGD, {"lr": 0.1})], "row_wise",
-                                          set_key(0, "momentum", 0.9), pinned=("t_sgd",))
-    adam = [(torch.optim.Adam, {"lr": 0.05})]
-    errors["fallback_adam_amsgrad"] = run(["t_adam"], adam, "row_wise", set_key(0, "amsgrad", True))
-    errors["data_parallel_adam_amsgrad"] = run(["t_adam"], adam, "data_parallel", set_key(0, "amsgrad", True))
-    errors["dense_adam_amsgrad"] = run(["t_sgd"], [(torch.optim.SGD, {"lr": 0.1})], "row_wise",
-                                       set_key(1, "amsgrad", True), dense=(torch.optim.Adam, {"lr": 0.02}))
-    # table_wise, one table per rank: the rank without the changed table must raise alike, not wait
-    errors["table_wise_fused_adagrad_weight_decay"] = run(["t_ada", "t_other"], adagrad * 2, "table_wise",
-                                                          set_key(0, "weight_decay", 0.01))
-    errors["table_wise_fallback_adam_amsgrad"] = run(["t_adam", "t_other"], adam * 2, "table_wise",
-                                                     set_key(0, "amsgrad", True))
-    return errors
+
+_ADAGRAD, _ADAM = [(torch.optim.Adagrad, {"lr": 0.2})], [(torch.optim.Adam, {"lr": 0.05})]
+_SGD = [(torch.optim.SGD, {"lr": 0.1})]
+# case -> (tables, settings, sharding type, the change made before the second step, pinned tables, dense).
+# Each on row_wise or data_parallel, where every rank holds the table; the last two on table_wise,
+# one table per rank: the rank without the changed table must raise alike, not wait.
+LIVE_SETTING_ERRORS = {
+    "fused_adagrad_weight_decay": (["t_ada"], _ADAGRAD, "row_wise", _set_key(0, "weight_decay", 0.01), (), None),
+    "fused_sgd_one_cycle": (["t_sgd"], _SGD, "row_wise", _one_cycle, (), None),
+    "fallback_sgd_momentum": (["t_sgd"], _SGD, "row_wise", _set_key(0, "momentum", 0.9), ("t_sgd",), None),
+    "fallback_adam_amsgrad": (["t_adam"], _ADAM, "row_wise", _set_key(0, "amsgrad", True), (), None),
+    "data_parallel_adam_amsgrad": (["t_adam"], _ADAM, "data_parallel", _set_key(0, "amsgrad", True), (), None),
+    "dense_adam_amsgrad": (["t_sgd"], _SGD, "row_wise", _set_key(1, "amsgrad", True), (),
+                           (torch.optim.Adam, {"lr": 0.02})),
+    "table_wise_fused_adagrad_weight_decay": (["t_ada", "t_other"], _ADAGRAD * 2, "table_wise",
+                                              _set_key(0, "weight_decay", 0.01), (), None),
+    "table_wise_fallback_adam_amsgrad": (["t_adam", "t_other"], _ADAM * 2, "table_wise",
+                                         _set_key(0, "amsgrad", True), (), None),
+}
+
+
+def live_setting_error(rank, world_size, case):
+    """The first error of two steps with the change of ``LIVE_SETTING_ERRORS[case]`` made before
+    the second, as "Type: message" ("no error" if none)."""
+    names, settings, sharding_type, before_step, pinned, dense = LIVE_SETTING_ERRORS[case]
+    dmp, _, _ = build(names, settings, sharding_type, world_size, pinned_dense=pinned, dense=dense)
+    keyed = overlap_optim.get_optimizers(dmp)
+    return _first_error(lambda: _train_steps(dmp, names, world_size, rank, 2,
+                                             lambda step: step == 1 and before_step(keyed)))
 
 
 def two_shards_per_rank(rank, world_size, directory, steps=3):

@@ -80,7 +80,7 @@ def _train(dmp, reference, ref_opts, user, names, rank, world_size, steps=3, cov
     return {n: (p.detach() - start[n]).abs().max().item() for n, p in reference.named_parameters()}
 
 
-def _sharded_run(rank, world_size, sharding_type, device="cpu"):
+def combined_optimizer_run(rank, world_size, sharding_type, device="cpu"):
     """Build, shard (DMP + our wrapper) and train with TorchRec's CombinedOptimizer pattern:
     (the keys the user's optimizer got, how far each reference parameter moved)."""
     names = list(TABLES)
@@ -99,15 +99,6 @@ def _sharded_run(rank, world_size, sharding_type, device="cpu"):
     combined = CombinedOptimizer([dmp.fused_optimizer, user])
     moved = _train(dmp, reference, _reference_optimizers(reference, TABLES, DENSE), combined, names, rank, world_size)
     return {"user_keys": sorted(user_params), "moved": moved}
-
-
-def patterns(rank, world_size):
-    """Every check of this module in one spawned group."""
-    return {
-        "combined": {t: _sharded_run(rank, world_size, t) for t in SHARDING_TYPES},
-        "meta": {t: _sharded_run(rank, world_size, t, device="meta") for t in ("table_wise", "row_wise")},
-        "dense_tables": {t: dense_tables(rank, world_size, t) for t in ("table_wise", "row_wise", "column_wise")},
-    }
 
 
 DENSE_TABLES = {  # both fusable or lazy by default; named in dense_tables
@@ -137,5 +128,5 @@ def dense_tables(rank, world_size, sharding_type):
         reference.zero_grad()
         compare(dmp, reference, names, step)
     moved = {n: (reference.ebc.embedding_bags[n].weight.detach() - start[n]).abs().max().item() for n in names}
-    rows = [(d.table, d.kernel, d.semantics) for d in dmp.module.ebc._overlap_decisions.values()]
+    rows = [(d.table, d.kernel, d.semantics) for d in sharders.plan_of(dmp.module.ebc).tables.values()]
     return {"moved": moved, "untouched": untouched, "decisions": rows}

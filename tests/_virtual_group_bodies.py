@@ -105,11 +105,3 @@ def optimizer_ops_per_bucket(rank, world_size):
             e.name for e in prof.events() if e.name.startswith(("aten::_foreach_", "aten::_fused_adam"))
         )
     return counts
-
-
-def all_checks(rank, world_size):
-    return {
-        "dense": dense_per_layer(rank, world_size),
-        "fallback": {t: fallback_tables(rank, world_size, t) for t in ("table_wise", "row_wise")},
-        "ops": optimizer_ops_per_bucket(rank, world_size),
-    }

@@ -38,20 +38,23 @@ from pathlib import Path
 import pytest
 
 from _compat_bodies import ADAM_TABLES, NAMES, SAVED_AT, STEPS, load_and_continue
-from overlap_optim.testing import run_ranks
+from overlap_optim.testing import run_cases, selected_cases
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "pre_virtual_groups"
 OLD_COMMIT = "f91542f"
 
 
-@pytest.fixture(scope="module")
-def resumed():
-    return run_ranks(load_and_continue, str(FIXTURE), world_size=2, timeout=240)
+TWO_RANKS, ONE_RANK = {"two_ranks": load_and_continue}, {"one_rank": load_and_continue}  # a group each
 
 
 @pytest.fixture(scope="module")
-def resumed_on_one_rank():
-    return run_ranks(load_and_continue, str(FIXTURE), world_size=1, timeout=240)
+def resumed(request):
+    return run_cases(TWO_RANKS, selected_cases(request, TWO_RANKS), str(FIXTURE), world_size=2, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def resumed_on_one_rank(request):
+    return run_cases(ONE_RANK, selected_cases(request, ONE_RANK), str(FIXTURE), world_size=1, timeout=240)
 
 
 def test_the_fixture_is_the_old_codes_with_one_kernel_per_adam_table():
@@ -59,12 +62,13 @@ def test_the_fixture_is_the_old_codes_with_one_kernel_per_adam_table():
     assert (FIXTURE / f"step-{SAVED_AT:08d}" / "COMPLETE").is_file()
 
 
-def test_old_layout_six_adam_kernels_new_layout_one(resumed):
-    for rank in resumed:
+@pytest.mark.parametrize("case", ["two_ranks"])
+def test_old_layout_six_adam_kernels_new_layout_one(resumed, case):
+    for rank in resumed[case]:
         saved = rank["saved"]
         assert saved["names"] == NAMES and saved["sharding_type"] == "row_wise" and saved["world_size"] == 2
         assert saved["kinds"] == rank["kinds"] == {**dict.fromkeys(ADAM_TABLES, "fallback"), "adagrad": "fused"}
-    for old, new in zip(resumed[0]["saved"]["kernels_by_rank"], (r["kernels"] for r in resumed)):
+    for old, new in zip(resumed[case][0]["saved"]["kernels_by_rank"], (r["kernels"] for r in resumed[case])):
         assert sorted(old) == sorted([[n] for n in NAMES]), old  # one kernel per annotation call
         assert sorted(new) == sorted([ADAM_TABLES, ["adagrad"]]), new  # the six Adam tables share one kernel
 
@@ -75,8 +79,9 @@ def _loaded_exactly(rank):
     assert len(rank["old_keys"]) == 37 and all(v == 0.0 for v in rank["loaded_exact"].values()), rank["loaded_exact"]
 
 
-def test_the_old_checkpoint_loads_exactly(resumed):
-    for rank in resumed:
+@pytest.mark.parametrize("case", ["two_ranks"])
+def test_the_old_checkpoint_loads_exactly(resumed, case):
+    for rank in resumed[case]:
         _loaded_exactly(rank)
         assert rank["step"] == SAVED_AT
         assert rank["before_load"] > 1e-2, "the model started equal to the checkpoint: the load proves nothing"
@@ -87,16 +92,18 @@ def test_the_old_checkpoint_loads_exactly(resumed):
         assert max(state.values()) <= 1e-7, state
 
 
-def test_training_continues_as_torch_optim_after_the_load(resumed):
+@pytest.mark.parametrize("case", ["two_ranks"])
+def test_training_continues_as_torch_optim_after_the_load(resumed, case):
     """Compared after every step within 1e-5 inside the ranks; here: it moved, and by how much we stayed."""
-    for rank in resumed:
+    for rank in resumed[case]:
         assert len(rank["diffs"]) == STEPS - SAVED_AT
         assert max(rank["diffs"]) <= 1e-5, rank["diffs"]
         assert min(rank["moved"].values()) > 1e-3, rank["moved"]  # every annotated table and dense[0]
 
 
-def test_the_two_rank_old_checkpoint_loads_on_one_rank_and_continues(resumed_on_one_rank):
-    (rank,) = resumed_on_one_rank
+@pytest.mark.parametrize("case", ["one_rank"])
+def test_the_two_rank_old_checkpoint_loads_on_one_rank_and_continues(resumed_on_one_rank, case):
+    (rank,) = resumed_on_one_rank[case]
     _loaded_exactly(rank)
     assert sorted(rank["kernels"]) == sorted([ADAM_TABLES, ["adagrad"]]), rank["kernels"]
     assert rank["loaded_diff"] <= 1e-7 and max(rank["loaded_state"].values()) <= 1e-7

@@ -8,6 +8,7 @@ would (GaLore's options set on its param group), stepped after backward.
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -79,15 +80,16 @@ def test_group_options_are_checked_where_they_enter():
 
 
 @pytest.fixture(scope="module")
-def dense_ranks():
-    from overlap_optim.testing import run_ranks
-    from _layerwise_bodies import dense_layerwise
+def dense_ranks(request):
+    from overlap_optim.testing import run_cases, selected_cases
+    from _layerwise_bodies import DENSE_CASES, dense_layerwise
 
-    return run_ranks(dense_layerwise, timeout=300)
+    cases = {name: partial(dense_layerwise, name=name) for name in DENSE_CASES}  # one spawned group
+    return run_cases(cases, selected_cases(request, cases), timeout=300)
 
 
 @pytest.mark.parametrize("case", ["muon+adam", "adafactor", "lamb", "lars", "galore"])
 def test_layerwise_optimizers_on_dense_parameters_through_the_ddp_hook(dense_ranks, case):
     """2 ranks; compared with the reference on the global batch after every step, in the ranks."""
-    for moved in dense_ranks:
-        assert moved[case] > 1e-3, f"{case}: the reference moved only {moved[case]}"
+    for moved in dense_ranks[case]:
+        assert moved > 1e-3, f"{case}: the reference moved only {moved}"

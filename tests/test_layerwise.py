@@ -2,52 +2,63 @@
 
 Reference: the optimizer's own package on the unsharded model with the global batch, built
 as a user would (``torch.optim.Adafactor``, ``came_pytorch.CAME``, pytorch-optimizer's ``Lamb``
-and ``LARS``, ``torch.optim.Muon``), compared after every step within 1e-5 inside the ranks.
+and ``LARS``, ``torch.optim.Muon``), compared after every step within 1e-5 (on split tables: the
+ranks record each table's differences, and each table's test asserts them).
 Dense semantics: batches that leave rows untouched are compared with the dense reference.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 
-from overlap_optim.testing import run_ranks
-from _layerwise_bodies import LAYERWISE, SPLITTING, layerwise_checks
+from overlap_optim.testing import run_cases, selected_cases
+from _layerwise_bodies import LAYERWISE, SPLITTING, mixed_model, round_counts, split_table, untouched_shard
+from _sharded_parity import assert_table_exact
+
+SPLIT = {f"split/{st}/{rows}": partial(split_table, sharding_type=st, cover=rows == "every_row")
+         for st in SPLITTING for rows in ("every_row", "some_rows")}
+RANK_CASES = {**SPLIT, "rounds": round_counts, "mixed": mixed_model, "untouched": untouched_shard}
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    return run_ranks(layerwise_checks, timeout=600)
+def ranks(request):
+    return run_cases(RANK_CASES, selected_cases(request, RANK_CASES), timeout=600)
 
 
-@pytest.mark.parametrize("partial", [False, True], ids=["every_row", "some_rows"])
-@pytest.mark.parametrize("sharding_type", SPLITTING)
-def test_layerwise_optimizers_are_exact_on_split_tables(ranks, sharding_type, partial):
-    for rank in ranks:
-        moved = rank["split"][(sharding_type, partial)]
-        still = [n for n in LAYERWISE if moved[n] < 1e-3]
-        assert not still, f"the reference did not move {still}"
+@pytest.mark.parametrize("name", LAYERWISE)
+@pytest.mark.parametrize("case", SPLIT)
+def test_layerwise_optimizers_are_exact_on_split_tables(ranks, case, name):
+    per_rank = ranks[case]
+    assert_table_exact(per_rank, name, 1e-5, case)
+    for out in per_rank:
+        assert out["moved"][name] >= 1e-3, f"the reference did not move {name}"
 
 
-def test_one_all_reduce_per_step_carries_every_layerwise_table(ranks):
-    for rank in ranks:
-        counts = rank["rounds"]["counts"]
+@pytest.mark.parametrize("case", ["rounds"])
+def test_one_all_reduce_per_step_carries_every_layerwise_table(ranks, case):
+    for rank in ranks[case]:
+        counts = rank["counts"]
         assert counts[1] == counts[4] == counts[0] + 1, counts
 
 
-def test_describe_names_the_cross_shard_update(ranks):
-    rows = [r for r in ranks[0]["rounds"]["rows"] if "Adafactor" in r[5]]
-    assert rows and all("whole-table statistics across shards" in r[6] for r in rows), ranks[0]["rounds"]["rows"]
+@pytest.mark.parametrize("case", ["rounds"])
+def test_describe_names_the_cross_shard_update(ranks, case):
+    rows = [r for r in ranks[case][0]["rows"] if "Adafactor" in r[5]]
+    assert rows and all("whole-table statistics across shards" in r[6] for r in rows), ranks[case][0]["rows"]
 
 
-def test_mixed_model_with_muon_on_the_mlp_matches_its_references(ranks):
-    for moved in (rank["mixed"] for rank in ranks):
+@pytest.mark.parametrize("case", ["mixed"])
+def test_mixed_model_with_muon_on_the_mlp_matches_its_references(ranks, case):
+    for moved in ranks[case]:
         still = [n for n, d in moved.items() if d < 1e-3 and not n.startswith("dense.2.bias")]
         assert not still, f"the reference did not move {still}"
 
 
-def test_a_shard_no_batch_reaches_still_takes_part_and_steps(ranks):
-    for rank in ranks:
-        out = rank["untouched"]
+@pytest.mark.parametrize("case", ["untouched"])
+def test_a_shard_no_batch_reaches_still_takes_part_and_steps(ranks, case):
+    for out in ranks[case]:
         assert out["rounds"] == 4, out  # one round per step on both ranks, no deadlock
         # rows 6-11 (the second shard) saw no id; with weight decay they still move (dense
         # semantics), and matched the reference every step

@@ -25,12 +25,13 @@ tolerance, so this comparison would catch a dense implementation.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
 
-from overlap_optim.testing import run_ranks
-from _lazy_bodies import ADAM_TABLES, EMPTY_STEP, EMPTY_TABLES, HALF_ONLY_STEP, NAMES, STEPS, TOUCHED, lazy_all
+from overlap_optim.testing import run_cases, selected_cases
+from _lazy_bodies import ADAM_TABLES, EMPTY_STEP, EMPTY_TABLES, HALF_ONLY_STEP, NAMES, STEPS, TOUCHED, lazy_run
 
 SHARDING_TYPES = ("table_wise", "row_wise")
 TOL = 2e-5
@@ -42,13 +43,16 @@ PLAIN_SPARSE_ADAM_AT_LEAST, PLAIN_SPARSE_ADAM_AT_MOST = 2e-4, 5e-3
 DENSE_ADAM_AT_LEAST = 1e-2
 
 
+RANK_CASES = {st: partial(lazy_run, sharding_type=st) for st in SHARDING_TYPES}  # one spawned group
+
+
 @pytest.fixture(scope="module")
-def results():
-    return run_ranks(lazy_all, SHARDING_TYPES, world_size=2, timeout=300)
+def results(request):
+    return run_cases(RANK_CASES, selected_cases(request, RANK_CASES), timeout=300)
 
 
 def _worst(results, sharding_type, key, name, steps=range(STEPS)):
-    return max(ranks[sharding_type]["steps"][s][key][name] for ranks in results for s in steps)
+    return max(out["steps"][s][key][name] for out in results[sharding_type] for s in steps)
 
 
 def test_sparse_adam_with_rescaled_eps_is_adam():
@@ -69,56 +73,58 @@ def test_sparse_adam_with_rescaled_eps_is_adam():
         assert (adam_w - plain_w).abs().max().item() >= 1e-3, t  # measured 2.1e-3 .. 2.7e-3
 
 
-def test_kernels_and_gradient_layouts_are_the_ones_under_test(results):
+@pytest.mark.parametrize("case", SHARDING_TYPES)
+def test_kernels_and_gradient_layouts_are_the_ones_under_test(results, case):
     expected = {"adam_eps_tiny": "fallback", "adam": "fallback", "adagrad_lr_decay": "fallback",
                 "sgd_fused": "fused", "sgd_fallback": "fallback"}
-    for ranks in results:
-        for sharding_type in SHARDING_TYPES:
-            out = ranks[sharding_type]
-            assert out["kernels"] == {n: (k, "lazy") for n, k in expected.items()}, sharding_type
-            assert set(out["layouts"].values()) == {"torch.sparse_coo"}, out["layouts"]
-            assert {n: out["dense_layouts"][n] for n in ADAM_TABLES} == dict.fromkeys(ADAM_TABLES, "torch.strided")
+    for out in results[case]:
+        assert out["kernels"] == {n: (k, "lazy") for n, k in expected.items()}, case
+        assert set(out["layouts"].values()) == {"torch.sparse_coo"}, out["layouts"]
+        assert {n: out["dense_layouts"][n] for n in ADAM_TABLES} == dict.fromkeys(ADAM_TABLES, "torch.strided")
 
 
-def test_batches_touch_a_third_of_the_rows_and_untouched_rows_keep_their_weights(results):
-    for sharding_type in SHARDING_TYPES:
-        for ranks in results:
-            out = ranks[sharding_type]
-            seen = {n: set() for n in NAMES}
-            for step, record in enumerate(out["steps"]):
-                for name in NAMES:
-                    rows = record["rows"][name]
-                    seen[name].update(rows)
-                    empty = step == EMPTY_STEP and name in EMPTY_TABLES
-                    assert len(rows) == (0 if empty else TOUCHED), (sharding_type, step, name)
-                    if not empty:  # the reference moved every step, on the touched rows only
-                        assert record["ref_touched_moved"][name] > 1e-3, (sharding_type, step, name)
-                assert not record["ref_untouched_moved"], (sharding_type, step, record["ref_untouched_moved"])
-                assert not record["ours_untouched_moved"], (sharding_type, step, record["ours_untouched_moved"])
-            assert all(len(rows) > TOUCHED for rows in seen.values()), "different rows across steps"
-            assert min(out["moved"].values()) > 2e-2, out["moved"]
-    # row_wise: at HALF_ONLY_STEP one rank's shard of every table is idle, the other's is not
-    idle = [[r["row_wise"]["steps"][HALF_ONLY_STEP]["local_touched"][n] for r in results] for n in NAMES]
+@pytest.mark.parametrize("case", SHARDING_TYPES)
+def test_batches_touch_a_third_of_the_rows_and_untouched_rows_keep_their_weights(results, case):
+    for out in results[case]:
+        seen = {n: set() for n in NAMES}
+        for step, record in enumerate(out["steps"]):
+            for name in NAMES:
+                rows = record["rows"][name]
+                seen[name].update(rows)
+                empty = step == EMPTY_STEP and name in EMPTY_TABLES
+                assert len(rows) == (0 if empty else TOUCHED), (case, step, name)
+                if not empty:  # the reference moved every step, on the touched rows only
+                    assert record["ref_touched_moved"][name] > 1e-3, (case, step, name)
+            assert not record["ref_untouched_moved"], (case, step, record["ref_untouched_moved"])
+            assert not record["ours_untouched_moved"], (case, step, record["ours_untouched_moved"])
+        assert all(len(rows) > TOUCHED for rows in seen.values()), "different rows across steps"
+        assert min(out["moved"].values()) > 2e-2, out["moved"]
+
+
+@pytest.mark.parametrize("case", ["row_wise"])
+def test_a_row_wise_shard_sits_idle_when_the_batch_touches_only_the_other(results, case):
+    """At HALF_ONLY_STEP one rank's shard of every table is idle, the other's is not."""
+    idle = [[r["steps"][HALF_ONLY_STEP]["local_touched"][n] for r in results[case]] for n in NAMES]
     assert all(sorted(counts) == [0, TOUCHED] for counts in idle), idle
 
 
-@pytest.mark.parametrize("sharding_type", SHARDING_TYPES)
+@pytest.mark.parametrize("case", SHARDING_TYPES)
 @pytest.mark.parametrize("name", NAMES)
-def test_matches_torch_sparse_optimizer_after_every_step(results, sharding_type, name):
-    worst = _worst(results, sharding_type, "diff", name)
-    assert worst <= TOL, f"{sharding_type}/{name}: max diff {worst:.3g} from torch's sparse optimizer"
+def test_matches_torch_sparse_optimizer_after_every_step(results, case, name):
+    worst = _worst(results, case, "diff", name)
+    assert worst <= TOL, f"{case}/{name}: max diff {worst:.3g} from torch's sparse optimizer"
 
 
-@pytest.mark.parametrize("sharding_type", SHARDING_TYPES)
-def test_plain_sparse_adam_at_default_eps_differs_by_its_eps_placement(results, sharding_type):
-    worst = _worst(results, sharding_type, "plain_diff", "adam")
-    assert PLAIN_SPARSE_ADAM_AT_LEAST <= worst <= PLAIN_SPARSE_ADAM_AT_MOST, f"{sharding_type}: {worst:.3g}"
+@pytest.mark.parametrize("case", SHARDING_TYPES)
+def test_plain_sparse_adam_at_default_eps_differs_by_its_eps_placement(results, case):
+    worst = _worst(results, case, "plain_diff", "adam")
+    assert PLAIN_SPARSE_ADAM_AT_LEAST <= worst <= PLAIN_SPARSE_ADAM_AT_MOST, f"{case}: {worst:.3g}"
 
 
-@pytest.mark.parametrize("sharding_type", SHARDING_TYPES)
+@pytest.mark.parametrize("case", SHARDING_TYPES)
 @pytest.mark.parametrize("name", ADAM_TABLES)
-def test_dense_adam_differs_so_a_dense_implementation_would_fail(results, sharding_type, name):
-    first = _worst(results, sharding_type, "dense_diff", name, steps=[0])
-    assert first <= TOL, f"{sharding_type}/{name}: no state yet, dense and lazy agree on step 1 ({first:.3g})"
-    after_3 = _worst(results, sharding_type, "dense_diff", name, steps=[2])
-    assert after_3 >= DENSE_ADAM_AT_LEAST, f"{sharding_type}/{name}: dense Adam only {after_3:.3g} away"
+def test_dense_adam_differs_so_a_dense_implementation_would_fail(results, case, name):
+    first = _worst(results, case, "dense_diff", name, steps=[0])
+    assert first <= TOL, f"{case}/{name}: no state yet, dense and lazy agree on step 1 ({first:.3g})"
+    after_3 = _worst(results, case, "dense_diff", name, steps=[2])
+    assert after_3 >= DENSE_ADAM_AT_LEAST, f"{case}/{name}: dense Adam only {after_3:.3g} away"

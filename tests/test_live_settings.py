@@ -7,57 +7,67 @@ Reference: plain torch.optim on the unsharded model, with the same change made t
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import pytest
 import torch
 
 from overlap_optim import apply_optimizer_in_backward, get_optimizers
-from overlap_optim.testing import run_ranks
-from _sharded_parity import live_settings
+from overlap_optim.testing import run_cases, selected_cases
+from _sharded_parity import (LIVE_SETTING_ERRORS, LIVE_TABLES, assert_table_exact, live_exact, live_one_cycle,
+                             live_setting_error)
+
+EXACT = ("table_wise", "row_wise", "data_parallel")
+ONE_CYCLE = ("sgd_momentum", "adam")
+RANK_CASES = {f"exact/{st}": partial(live_exact, sharding_type=st) for st in EXACT}  # one spawned group
+RANK_CASES.update({f"one_cycle/{name}": partial(live_one_cycle, name=name) for name in ONE_CYCLE})
+RANK_CASES.update({f"refused/{case}": partial(live_setting_error, case=case) for case in LIVE_SETTING_ERRORS})
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    return run_ranks(live_settings, timeout=600)
+def ranks(request):
+    return run_cases(RANK_CASES, selected_cases(request, RANK_CASES), timeout=600)
 
 
-@pytest.fixture(scope="module")
-def results(ranks):
-    return ranks[0]
+@pytest.mark.parametrize("name", [*LIVE_TABLES, "dense"])
+@pytest.mark.parametrize("case", [f"exact/{st}" for st in EXACT])
+def test_lr_eps_and_weight_decay_changed_after_step_one_match_torch_optim(ranks, case, name):
+    per_rank = ranks[case]
+    if name != "dense":  # the MLP is compared with torch.optim after every step inside the ranks
+        assert_table_exact(per_rank, name, 1e-5, case)
+    assert per_rank[0]["moved"][name] >= 1e-3, f"the reference did not move {name}"
 
 
-@pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise", "data_parallel"])
-def test_lr_eps_and_weight_decay_changed_after_step_one_match_torch_optim(results, sharding_type):
-    moved = results["exact"][sharding_type]  # compared with torch.optim after every step, inside the ranks
-    still = [n for n, d in moved.items() if n != "dense_diff" and d < 1e-3]
-    assert not still, f"the reference did not move {still}"
+@pytest.mark.parametrize("case", [f"one_cycle/{name}" for name in ONE_CYCLE])
+def test_one_cycle_lr_cycling_momentum_and_betas_matches_torch_optim(ranks, case):
+    name = case.split("/")[1]
+    assert ranks[case][0][name] > 1e-3, name
 
 
-def test_one_cycle_lr_cycling_momentum_and_betas_matches_torch_optim(results):
-    assert set(results["one_cycle"]) == {"sgd_momentum", "adam"}
-    for name, moved in results["one_cycle"].items():
-        assert moved[name] > 1e-3, name
+def _refused(case, pattern):
+    return pytest.param(f"refused/{case}", pattern, id=f"refused/{case}")
 
 
 @pytest.mark.parametrize("case, pattern", [
-    ("fused_adagrad_weight_decay",
-     r"ValueError: fused table\(s\) \['t_ada'\]: weight_decay=0.01: FBGEMM's EXACT_ADAGRAD has no .* changed at run "
-     r"time \(\[.weight_decay: 0 -> 0.01.\]\).*fallback_tables=\[\.\.\.\]"),
-    ("fused_sgd_one_cycle",
-     r"ValueError: fused table\(s\) \['t_sgd'\]: momentum=0.9\d*: FBGEMM's EXACT_SGD has no momentum.*"
-     r"Annotate the table with that setting from the start"),
-    ("fallback_sgd_momentum",
-     r"ValueError: table 't_sgd': SGD now keeps state \['momentum_buffer'\] .*\['momentum: 0 -> 0.9'\]"),
-    ("fallback_adam_amsgrad",
-     r"ValueError: table 't_adam': Adam's setting amsgrad=True was changed at run time \(annotated with False\)"),
-    ("data_parallel_adam_amsgrad",
-     r"Adam's setting amsgrad=True was changed at run time \(annotated with False\); only its float settings"),
-    ("dense_adam_amsgrad",
-     r"ValueError: a parameter of shape \(\d+(, \d+)?,?\) in param group \d+ \(Adam\): Adam's setting amsgrad=True "
-     r"was changed at run time"),
+    _refused("fused_adagrad_weight_decay",
+             r"ValueError: fused table\(s\) \['t_ada'\]: weight_decay=0.01: FBGEMM's EXACT_ADAGRAD has no .* changed "
+             r"at run time \(\[.weight_decay: 0 -> 0.01.\]\).*fallback_tables=\[\.\.\.\]"),
+    _refused("fused_sgd_one_cycle",
+             r"ValueError: fused table\(s\) \['t_sgd'\]: momentum=0.9\d*: FBGEMM's EXACT_SGD has no momentum.*"
+             r"Annotate the table with that setting from the start"),
+    _refused("fallback_sgd_momentum",
+             r"ValueError: table 't_sgd': SGD now keeps state \['momentum_buffer'\] .*\['momentum: 0 -> 0.9'\]"),
+    _refused("fallback_adam_amsgrad",
+             r"ValueError: table 't_adam': Adam's setting amsgrad=True was changed at run time \(annotated with False\)"),
+    _refused("data_parallel_adam_amsgrad",
+             r"Adam's setting amsgrad=True was changed at run time \(annotated with False\); only its float settings"),
+    _refused("dense_adam_amsgrad",
+             r"ValueError: a parameter of shape \(\d+(, \d+)?,?\) in param group \d+ \(Adam\): Adam's setting "
+             r"amsgrad=True was changed at run time"),
 ])
-def test_changes_a_kernel_cannot_apply_are_refused_by_table_and_setting(results, case, pattern):
-    assert re.search(pattern, results["errors"][case]), results["errors"][case]
+def test_changes_a_kernel_cannot_apply_are_refused_by_table_and_setting(ranks, case, pattern):
+    error = ranks[case][0]
+    assert re.search(pattern, error), error
 
 
 def _dense_pair():
@@ -95,14 +105,15 @@ def test_dense_parameter_refuses_a_non_float_setting_changed_at_run_time():
 
 
 @pytest.mark.parametrize("case, pattern", [
-    ("table_wise_fused_adagrad_weight_decay",
-     r"ValueError: fused table\(s\) \['t_ada'\]: weight_decay=0.01: FBGEMM's EXACT_ADAGRAD has no .* changed at run"),
-    ("table_wise_fallback_adam_amsgrad",
-     r"ValueError: table 't_adam': Adam's setting amsgrad=True was changed at run time \(annotated with False\)"),
+    _refused("table_wise_fused_adagrad_weight_decay",
+             r"ValueError: fused table\(s\) \['t_ada'\]: weight_decay=0.01: FBGEMM's EXACT_ADAGRAD has no .* changed "
+             r"at run"),
+    _refused("table_wise_fallback_adam_amsgrad",
+             r"ValueError: table 't_adam': Adam's setting amsgrad=True was changed at run time \(annotated with False\)"),
 ])
 def test_a_refusal_on_a_table_held_by_one_rank_is_raised_on_every_rank(ranks, case, pattern):
     """Before sharders/live_settings.py the rank without the table went on to the next all-to-all
     and waited there: the group hung until the harness killed it."""
-    errors = [rank["errors"][case] for rank in ranks]
+    errors = ranks[case]
     assert re.search(pattern, errors[0]), errors[0]
     assert errors[1] == errors[0]

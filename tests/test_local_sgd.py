@@ -9,13 +9,22 @@ plain torch.optim optimizer and scheduler, averaging by the rule; itself checked
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
 
 import overlap_optim
-from overlap_optim.testing import run_ranks
-from _local_sgd_bodies import all_checks, load_on_one_rank
+from overlap_optim.testing import run_cases, run_ranks, selected_cases
+from _local_sgd_bodies import (CASES, dmp_with_local_sgd, load_on_one_rank, mid_round_checkpoint,
+                               ours_against_simulation, simulation_matches_periodic_model_averager)
+
+RANK_CASES = {  # one spawned group
+    "averager": simulation_matches_periodic_model_averager,
+    **{name: partial(ours_against_simulation, name=name) for name in CASES},
+    "resume": mid_round_checkpoint,  # its directory is bound in the fixture
+    "dmp": dmp_with_local_sgd,
+}
 
 
 @pytest.fixture(scope="module")
@@ -24,26 +33,28 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ranks(checkpoints):
-    return run_ranks(all_checks, str(checkpoints), timeout=300)
+def ranks(request, checkpoints):
+    cases = {**RANK_CASES, "resume": partial(mid_round_checkpoint, directory=str(checkpoints))}
+    return run_cases(cases, selected_cases(request, RANK_CASES), timeout=300)
 
 
-def test_the_simulation_equals_torchs_periodic_model_averager(ranks):
-    for rank in ranks:
-        assert rank["averager"]["worst"] <= 1e-7 and rank["averager"]["averaged_at"] == [2, 5, 8], rank["averager"]
+@pytest.mark.parametrize("case", ["averager"])
+def test_the_simulation_equals_torchs_periodic_model_averager(ranks, case):
+    for averager in ranks[case]:
+        assert averager["worst"] <= 1e-7 and averager["averaged_at"] == [2, 5, 8], averager
 
 
-def test_constant_period_sgd_with_momentum(ranks):
-    for rank in ranks:
-        run = rank["cases"]["sgd_momentum_constant"]
+@pytest.mark.parametrize("case", ["sgd_momentum_constant"])
+def test_constant_period_sgd_with_momentum(ranks, case):
+    for run in ranks[case]:
         assert [t[0] for t in run["trace"]] == [0, 0, 1] * 4  # all-reduces: none on local steps, one to average
         assert {t[1] for t in run["trace"]} == {3}
         assert run["spread"] == 0.0  # the last step averaged: every rank holds the same weights
 
 
-def test_adam_with_a_decaying_lr_grows_its_period_by_the_rule(ranks):
-    for rank in ranks:
-        run = rank["cases"]["adam_qsr_decaying"]
+@pytest.mark.parametrize("case", ["adam_qsr_decaying"])
+def test_adam_with_a_decaying_lr_grows_its_period_by_the_rule(ranks, case):
+    for run in ranks[case]:
         counts, periods, expected = [t[0] for t in run["trace"]], [t[1] for t in run["trace"]], [t[2] for t in run["trace"]]
         assert periods == expected, (periods, expected)  # set at each round's first step, as the simulation
         assert counts[:2] == [1, 1] and periods[:2] == [0, 0]  # warm-up: synchronous, DDP's all-reduce
@@ -54,9 +65,9 @@ def test_adam_with_a_decaying_lr_grows_its_period_by_the_rule(ranks):
         assert sum(counts[2:]) == 2  # one all-reduce per averaging, none on the 8 other local steps
 
 
-def test_period_one_with_alpha_zero_equals_synchronous_training(ranks):
-    for rank in ranks:
-        run = rank["cases"]["sgd_period_one"]
+@pytest.mark.parametrize("case", ["sgd_period_one"])
+def test_period_one_with_alpha_zero_equals_synchronous_training(ranks, case):
+    for run in ranks[case]:
         assert run["vs_synchronous"] <= 1e-6, run["vs_synchronous"]
         assert [t[0] for t in run["trace"]] == [1] * 12  # the averaging replaces the gradient all-reduce
 
@@ -70,9 +81,9 @@ def test_qsr_settings_are_checked_where_they_enter():
             overlap_optim.QSR(**kwargs)
 
 
-def test_a_checkpoint_between_averagings_resumes_bit_identically_on_the_same_world_size(ranks, checkpoints):
-    for rank in ranks:
-        out = rank["resume"]
+@pytest.mark.parametrize("case", ["resume"])
+def test_a_checkpoint_between_averagings_resumes_bit_identically_on_the_same_world_size(ranks, checkpoints, case):
+    for out in ranks[case]:
         assert out["saved"]["in_round"] == 1  # taken one step into a round: the ranks differed
         assert out["resume_diff"] == 0.0, out["resume_diff"]
     assert len(list(checkpoints.glob("step-*/local-sgd-rank-*-of-2.pt"))) == 2  # each rank's own
@@ -80,6 +91,7 @@ def test_a_checkpoint_between_averagings_resumes_bit_identically_on_the_same_wor
     assert "taken between two local-SGD averagings on 2 ranks" in refusal and "not 1" in refusal, refusal
 
 
-def test_dmp_tables_stay_exact_while_the_dense_part_averages_every_round(ranks):
-    spreads = ranks[0]["dmp"]["spreads"]  # compared with the reference after every step, in the ranks
+@pytest.mark.parametrize("case", ["dmp"])
+def test_dmp_tables_stay_exact_while_the_dense_part_averages_every_round(ranks, case):
+    spreads = ranks[case][0]["spreads"]  # compared with the reference after every step, in the ranks
     assert [s == 0.0 for s in spreads] == [False, False, True, False, False, True, False], spreads

@@ -73,15 +73,6 @@ def test_docs_show_the_decision_table():
     assert support_table_markdown(ALL_OPTIMIZERS) in docs, "regenerate: python -m sharders.optimizer_table"
 
 
-@pytest.fixture(scope="module")
-def world_of_one():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_a_table_without_annotation_gets_a_dense_kernel_not_fbgemms_default(world_of_one):

@@ -14,53 +14,73 @@ import torch
 from _models import ManyTableModel
 from _reshard_bodies import DENSE, NAMES, SETTINGS, load_on_one_rank, save_then_reshard
 from overlap_optim import apply_optimizer_in_backward, checkpoint, get_optimizers
-from overlap_optim.testing import run_ranks
+from overlap_optim.testing import run_cases, selected_cases
 
 HERE = Path(__file__).resolve().parent
 
 
+TWO_RANKS = {"reshard": save_then_reshard}  # plan A trains and saves, plan B loads and trains on: one sequence
+ONE_RANK = {"one_rank": load_on_one_rank}
+
+
 @pytest.fixture(scope="module")
-def resharded(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("ckpt")
-    two = run_ranks(save_then_reshard, str(directory), timeout=400)
-    one = run_ranks(load_on_one_rank, str(directory), world_size=1, timeout=300)
-    return two, one[0]
+def directory(tmp_path_factory):
+    return tmp_path_factory.mktemp("ckpt")
 
 
-def test_state_keys_and_shapes_are_those_of_the_unsharded_model_under_any_plan(resharded):
-    two, one = resharded
-    unsharded = two[0]["unsharded"]
+@pytest.fixture(scope="module")
+def two(request, directory):
+    return run_cases(TWO_RANKS, selected_cases(request, TWO_RANKS), str(directory), timeout=400)
+
+
+@pytest.fixture(scope="module")
+def one(request, two, directory):
+    two["reshard"]  # the checkpoint is saved there: if it failed, say so by name
+    return run_cases(ONE_RANK, selected_cases(request, ONE_RANK), str(directory), world_size=1, timeout=300)
+
+
+@pytest.mark.parametrize("case", ["reshard"])
+def test_state_keys_and_shapes_are_those_of_the_unsharded_model_under_any_plan(two, case):
+    unsharded = two[case][0]["unsharded"]
     assert unsharded[0], "the unsharded model kept no state: the comparison proves nothing"
-    for rank in two:
+    for rank in two[case]:
         assert rank["layout_a"] == unsharded, "plan A"
         assert rank["layout_b"] == unsharded, "plan B"
-    assert one["layout"] == unsharded, "world size 1"
 
 
-def test_plan_b_really_differs_and_pins_a_fused_table_to_the_fallback(resharded):
-    describe = resharded[0][0]["describe_b"]
+@pytest.mark.parametrize("case", ["one_rank"])
+def test_state_keys_and_shapes_are_those_of_the_unsharded_model_on_one_rank(one, two, case):
+    assert one[case][0]["layout"] == two["reshard"][0]["unsharded"], "world size 1"
+
+
+@pytest.mark.parametrize("case", ["reshard"])
+def test_plan_b_really_differs_and_pins_a_fused_table_to_the_fallback(two, case):
+    describe = two[case][0]["describe_b"]
     adagrad = [row for row in describe.splitlines() if "| adagrad |" in row]
     assert adagrad and all("fallback" in row and "fallback_tables" in row for row in adagrad), describe
 
 
-def test_a_checkpoint_from_plan_a_continues_in_plan_b_as_if_uninterrupted(resharded):
+@pytest.mark.parametrize("case", ["reshard"])
+def test_a_checkpoint_from_plan_a_continues_in_plan_b_as_if_uninterrupted(two, case):
     """Compared with the uninterrupted torch.optim reference after every step (inside, atol 1e-6)."""
-    for rank in resharded[0]:
+    for rank in two[case]:
         assert rank["step"] == 3
         assert rank["moved"] > 1e-3
 
 
-def test_a_sharded_checkpoint_of_another_optimizer_is_refused_and_changes_nothing(resharded):
-    for rank in resharded[0]:
+@pytest.mark.parametrize("case", ["reshard"])
+def test_a_sharded_checkpoint_of_another_optimizer_is_refused_and_changes_nothing(two, case):
+    for rank in two[case]:
         refusal = rank["refusal"]
         assert "ebc.embedding_bags.adam.weight" in refusal["message"], refusal
         assert refusal["unchanged"] and refusal["entries"] > 10, refusal
 
 
-def test_a_two_rank_checkpoint_loads_on_one_rank_and_into_the_unsharded_model(resharded):
-    one = resharded[1]
-    assert one["unsharded_diff"] <= 1e-6
-    assert one["moved"] > 1e-3
+@pytest.mark.parametrize("case", ["one_rank"])
+def test_a_two_rank_checkpoint_loads_on_one_rank_and_into_the_unsharded_model(one, case):
+    (rank,) = one[case]
+    assert rank["unsharded_diff"] <= 1e-6
+    assert rank["moved"] > 1e-3
 
 
 def _torchrun(*args: str) -> subprocess.CompletedProcess:

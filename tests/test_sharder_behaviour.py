@@ -2,31 +2,42 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from overlap_optim.testing import run_ranks
-from _sharded_parity import behaviour
+from overlap_optim.testing import run_cases, selected_cases
+from _sharded_parity import grouping_and_describe, lazy_rows, scheduled, with_dense
 
 ALL_TABLES = {f"ebc.embedding_bags.t{i}.weight" for i in range(6)}
+WITH_DENSE, SCHEDULED = ("table_wise", "data_parallel"), ("table_wise", "row_wise", "data_parallel")
+LAZY = ("table_wise", "row_wise")
+RANK_CASES = {  # one spawned group
+    **{f"with_dense/{st}": partial(with_dense, sharding_type=st) for st in WITH_DENSE},
+    **{f"scheduled/{st}": partial(scheduled, sharding_type=st) for st in SCHEDULED},
+    "with_dense_bf16": partial(with_dense, sharding_type="table_wise", comm="bf16"),
+    "grouping": grouping_and_describe,
+    **{f"lazy/{st}": partial(lazy_rows, sharding_type=st) for st in LAZY},
+}
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_ranks(behaviour, timeout=600)
+def results(request):
+    return run_cases(RANK_CASES, selected_cases(request, RANK_CASES), timeout=600)
 
 
-def test_collectives_per_step_do_not_grow_with_distinct_settings(results):
-    for rank in results:
-        grouping = rank["grouping"]
+@pytest.mark.parametrize("case", ["grouping"])
+def test_collectives_per_step_do_not_grow_with_distinct_settings(results, case):
+    for grouping in results[case]:
         assert grouping["collectives_one"] > 0
         assert grouping["collectives_six"] == grouping["collectives_one"]
 
 
-def test_one_kernel_per_distinct_setting_and_describe_says_why(results):
-    one, six = results[0]["grouping"]["describe_one"], results[0]["grouping"]["describe_six"]
-    assert results[1]["grouping"]["describe_six"] == six  # every rank gets the whole table
+@pytest.mark.parametrize("case", ["grouping"])
+def test_one_kernel_per_distinct_setting_and_describe_says_why(results, case):
+    one, six = results[case][0]["describe_one"], results[case][0]["describe_six"]
+    assert results[case][1]["describe_six"] == six  # every rank gets the whole table
     one_rows = [r for r in one.splitlines()[2:]]
     assert len(one_rows) == 2 and all("SGD(lr=0.1) | fused EXACT_SGD" in r for r in one_rows)  # one kernel a rank
     rows = six.splitlines()[2:]
@@ -42,49 +53,50 @@ def test_one_kernel_per_distinct_setting_and_describe_says_why(results):
     assert all("FBGEMM has no kernel verified exact on cpu" in r for r in fallback)
 
 
-def test_get_optimizers_covers_fused_and_fallback_tables_by_unsharded_fqn(results):
-    keys = set(results[0]["grouping"]["param_keys"]) | set(results[1]["grouping"]["param_keys"])
+@pytest.mark.parametrize("case", ["grouping"])
+def test_get_optimizers_covers_fused_and_fallback_tables_by_unsharded_fqn(results, case):
+    keys = set(results[case][0]["param_keys"]) | set(results[case][1]["param_keys"])
     assert keys == ALL_TABLES
-    stepped = set(results[0]["grouping"]["stepped_keys"]) | set(results[1]["grouping"]["stepped_keys"])
+    stepped = set(results[case][0]["stepped_keys"]) | set(results[case][1]["stepped_keys"])
     # Plain SGD keeps no state; the other four settings do.
     assert stepped == ALL_TABLES - {"ebc.embedding_bags.t0.weight", "ebc.embedding_bags.t1.weight"}
 
 
-def test_data_parallel_tables_are_covered_and_described(results):
-    for rank in results:
-        grouping = rank["grouping"]
+@pytest.mark.parametrize("case", ["grouping"])
+def test_data_parallel_tables_are_covered_and_described(results, case):
+    for grouping in results[case]:
         assert set(grouping["dp_param_keys"]) == ALL_TABLES  # replicated: every rank has every table
         assert set(grouping["dp_stepped_keys"]) == ALL_TABLES - {"ebc.embedding_bags.t0.weight", "ebc.embedding_bags.t1.weight"}
-    rows = results[0]["grouping"]["dp_describe"].splitlines()[2:]
+    rows = results[case][0]["dp_describe"].splitlines()[2:]
     assert rows and all("data_parallel" in r and "torch.optim after all-reduce (DDP hook)" in r for r in rows)
 
 
-@pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise"])
-def test_untouched_rows_and_their_state_do_not_change(results, sharding_type):
-    per_rank = [r["lazy"][sharding_type] for r in results]
+@pytest.mark.parametrize("case", [f"lazy/{st}" for st in LAZY])
+def test_untouched_rows_and_their_state_do_not_change(results, case):
+    per_rank = results[case]
     assert all(r["moved_untouched"] == [] for r in per_rank)
     assert all(r["state_changed"] == [] for r in per_rank)
     assert max(r["moved_touched"] for r in per_rank) > 1e-3, "nothing moved: the check proves nothing"
     assert any(r["adam_state_names"] == ["exp_avg", "exp_avg_sq", "step"] for r in per_rank)
 
 
-def test_annotated_dense_layers_in_dmp_step_after_the_all_reduce(results):
+@pytest.mark.parametrize("case", [f"with_dense/{st}" for st in WITH_DENSE])
+def test_annotated_dense_layers_in_dmp_step_after_the_all_reduce(results, case):
     """DataParallelWrapper: the MLP's AdamW matches torch.optim every step (compared inside)."""
-    for sharding_type in ("table_wise", "data_parallel"):
-        moved = results[0]["with_dense"][sharding_type]
-        assert moved["dense"] > 1e-4 and moved["adam"] > 1e-3, (sharding_type, moved)
+    moved = results[case][0]
+    assert moved["dense"] > 1e-4 and moved["adam"] > 1e-3, (case, moved)
 
 
-def test_data_parallel_wrapper_compresses_when_asked(results):
+@pytest.mark.parametrize("case", ["with_dense_bf16"])
+def test_data_parallel_wrapper_compresses_when_asked(results, case):
     """allreduce_comm_precision="bf16" reaches our hook: close to torch.optim, yet not equal."""
-    for rank in results:
-        outcome = rank["with_dense_bf16"]
+    for outcome in results[case]:
         assert 1e-7 < outcome["dense_diff"] <= 1e-3, outcome
 
 
-@pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise", "data_parallel"])
-def test_warmup_then_decay_schedule_reaches_fused_fallback_and_dense_every_step(results, sharding_type):
+@pytest.mark.parametrize("case", [f"scheduled/{st}" for st in SCHEDULED])
+def test_warmup_then_decay_schedule_reaches_fused_fallback_and_dense_every_step(results, case):
     """LambdaLR on get_optimizers(model) over 10 steps equals the same schedule on torch.optim
     (compared inside after every step), fused tables included."""
-    moved = results[0]["scheduled"][sharding_type]
+    moved = results[case][0]
     assert moved["sgd"] > 1e-3 and moved["adagrad"] > 1e-3 and moved["adam"] > 1e-3 and moved["dense"] > 1e-4

@@ -11,6 +11,7 @@ LBFGS (closure) and SparseAdam (sparse gradients only), plus came-pytorch's CAME
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import pytest
 import torch
@@ -18,8 +19,8 @@ from came_pytorch import CAME
 from pytorch_optimizer import LARS, AdamP, Lamb
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-from overlap_optim.testing import run_ranks
-from _sharded_parity import SHARDING_TYPES, matrix
+from overlap_optim.testing import run_cases, selected_cases
+from _sharded_parity import SHARDING_TYPES, assert_table_exact, parity, parity_on_partial_batches
 
 CASES = [
     ("sgd", torch.optim.SGD, {"lr": 0.1}),
@@ -62,40 +63,61 @@ CASES = [
 NOT_SEPARABLE = {"adafactor", "muon", "came", "lamb", "lars", "adamp"}
 REFUSED_WHEN_SPLIT = {"muon", "adamp"}  # the rest have a cross-shard form (sharders/layerwise.py)
 SPLITTING = ("column_wise", "table_column_wise", "row_wise", "table_row_wise")
+NAMES = [c[0] for c in CASES]
+PARTIAL = ("table_wise", "data_parallel")
+ATOL = 1e-5  # every table, after every step
+
+# One spawned group runs these, each reported apart: per sharding type, every accepted case as a
+# table of one EBC (and the refusals of the others); then the cases not row-separable on partial batches.
+RANK_CASES = {st: partial(parity, cases=CASES, sharding_type=st) for st in SHARDING_TYPES}
+RANK_CASES.update({f"partial/{st}": partial(parity_on_partial_batches, cases=CASES, sharding_type=st)
+                   for st in PARTIAL})
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_ranks(matrix, CASES, SHARDING_TYPES, ("table_wise", "data_parallel"), timeout=600)[0]
+def ranks(request):
+    return run_cases(RANK_CASES, selected_cases(request, RANK_CASES), timeout=600)
 
 
-def test_every_optimizer_on_every_sharding_type_matches_torch_optim(results):
-    for sharding_type in SHARDING_TYPES:
-        moved = results["moved"][sharding_type]
-        expected = {c[0] for c in CASES}
-        if sharding_type in SPLITTING:
-            expected -= REFUSED_WHEN_SPLIT
-        if sharding_type in ("column_wise", "table_column_wise"):
-            expected -= {"rowwise_adagrad", "rowwise_adagrad_wd"}
-        assert set(moved) - {"dense", "dense_diff"} == expected, sharding_type
-        still = [n for n, distance in moved.items() if n not in ("dense", "dense_diff") and distance < 1e-3]
-        assert not still, f"{sharding_type}: the reference did not move {still}"
+def _expected_on(sharding_type):
+    """The cases accepted on ``sharding_type`` (the others are refused)."""
+    expected = set(NAMES)
+    if sharding_type in SPLITTING:
+        expected -= REFUSED_WHEN_SPLIT
+    if sharding_type in ("column_wise", "table_column_wise"):
+        expected -= {"rowwise_adagrad", "rowwise_adagrad_wd"}
+    return expected
 
 
-def test_not_separable_optimizers_are_exact_with_dense_semantics_on_partial_batches(results):
-    for sharding_type in ("table_wise", "data_parallel"):
-        moved = results["partial"][sharding_type]
-        still = [n for n in NOT_SEPARABLE if moved[n] < 1e-3]
-        assert not still, f"{sharding_type}: the reference did not move {still}"
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("case", SHARDING_TYPES)
+def test_every_optimizer_on_every_sharding_type_matches_torch_optim(ranks, case, name):
+    per_rank = ranks[case]
+    moved = per_rank[0]["moved"]
+    if name not in _expected_on(case):
+        assert name not in moved and name in per_rank[0]["refused"], f"{case}: {name} was not refused"
+        return
+    assert name in moved, f"{case}: {name} was refused: {per_rank[0]['refused'].get(name)}"
+    assert_table_exact(per_rank, name, ATOL, case)
+    assert moved[name] >= 1e-3, f"{case}: the reference did not move {name}"
 
 
-@pytest.mark.parametrize("sharding_type", SPLITTING)
+@pytest.mark.parametrize("name", sorted(NOT_SEPARABLE))
+@pytest.mark.parametrize("case", [f"partial/{st}" for st in PARTIAL])
+def test_not_separable_optimizers_are_exact_with_dense_semantics_on_partial_batches(ranks, case, name):
+    per_rank = ranks[case]
+    assert_table_exact(per_rank, name, ATOL, case)
+    assert per_rank[0]["moved"][name] >= 1e-3, f"{case}: the reference did not move {name}"
+
+
 @pytest.mark.parametrize("name", sorted(REFUSED_WHEN_SPLIT))
-def test_not_separable_optimizers_are_refused_on_split_tables(results, sharding_type, name):
-    axis = "rows" if "row" in sharding_type else "columns"
+@pytest.mark.parametrize("case", SPLITTING)
+def test_not_separable_optimizers_are_refused_on_split_tables(ranks, case, name):
+    axis = "rows" if "row" in case else "columns"
     cls = {"adafactor": "Adafactor", "muon": "Muon", "came": "CAME", "lamb": "Lamb", "lars": "LARS", "adamp": "AdamP"}[name]
+    refusal = ranks[case][0]["refused"][name]
     assert re.match(
-        rf"table '{name}': {cls}'s update is not separable by {axis} .* and {sharding_type} sharding splits "
+        rf"table '{name}': {cls}'s update is not separable by {axis} .* and {case} sharding splits "
         rf"this table into \w+ shards; use table_wise, data_parallel for this table",
-        results["refused"][f"{sharding_type}/{name}"],
-    ), results["refused"][f"{sharding_type}/{name}"]
+        refusal,
+    ), refusal

@@ -7,6 +7,8 @@ group per tensor, each with its own float settings and its own LambdaLR. Ours: o
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -88,25 +90,30 @@ def test_who_shares_a_virtual_group():
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    from overlap_optim.testing import run_ranks
-    from _virtual_group_bodies import all_checks
+def ranks(request):
+    from overlap_optim.testing import run_cases, selected_cases
+    from _virtual_group_bodies import dense_per_layer, fallback_tables, optimizer_ops_per_bucket
 
-    return run_ranks(all_checks, timeout=600)
+    cases = {  # one spawned group
+        "dense": dense_per_layer,
+        **{f"fallback/{st}": partial(fallback_tables, sharding_type=st) for st in ("table_wise", "row_wise")},
+        "ops": optimizer_ops_per_bucket,
+    }
+    return run_cases(cases, selected_cases(request, cases), timeout=600)
 
 
-def test_per_layer_lrs_with_a_lambda_each_match_torch_adam_with_48_param_groups(ranks):
-    assert all(r["dense"] > 1e-3 for r in ranks), [r["dense"] for r in ranks]  # compared every step in the ranks
+@pytest.mark.parametrize("case", ["dense"])
+def test_per_layer_lrs_with_a_lambda_each_match_torch_adam_with_48_param_groups(ranks, case):
+    assert all(moved > 1e-3 for moved in ranks[case]), ranks[case]  # compared every step in the ranks
 
 
-@pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise"])
-def test_six_fallback_tables_with_six_lrs_share_one_kernel_and_match_torch_optim(ranks, sharding_type):
-    for rank in ranks:
-        run = rank["fallback"][sharding_type]
+@pytest.mark.parametrize("case", ["fallback/table_wise", "fallback/row_wise"])
+def test_six_fallback_tables_with_six_lrs_share_one_kernel_and_match_torch_optim(ranks, case):
+    for run in ranks[case]:
         assert min(run["moved"].values()) > 1e-3, run["moved"]
         fallback = [row for row in run["rows"] if row[6].startswith("fallback")]
         assert len(fallback) == 1, run["rows"]  # one kernel per sharding group on this rank
-        if sharding_type == "row_wise":  # every table has a shard here, all in that kernel
+        if case == "fallback/row_wise":  # every table has a shard here, all in that kernel
             assert fallback[0][4] == "t0, t1, t2, t3, t4, t5", fallback
         tables = fallback[0][4].split(", ")
         assert len(tables) >= 2, fallback  # one kernel, several settings: each table's shown
@@ -115,8 +122,8 @@ def test_six_fallback_tables_with_six_lrs_share_one_kernel_and_match_torch_optim
             assert f"{table}: Adam(lr={0.02 * (i + 1)!r}, weight_decay={0.01 * i!r})" in fallback[0][5], fallback
 
 
-def test_optimizer_ops_per_bucket_are_the_same_at_1_and_24_settings(ranks):
-    for rank in ranks:
-        ops = rank["ops"]
+@pytest.mark.parametrize("case", ["ops"])
+def test_optimizer_ops_per_bucket_are_the_same_at_1_and_24_settings(ranks, case):
+    for ops in ranks[case]:
         assert sum(ops[1].values()) > 0, "the profiler saw no optimizer op"
         assert ops[24] == ops[1], ops

@@ -1,4 +1,4 @@
-"""Layer-wise optimizers on split tables: whole-table statistics across shards, one all-reduce per step.
+"""The cross-shard kernel: layer-wise optimizers on split tables, whole-table statistics in one all-reduce per step.
 
 LAMB and LARS scale a table's update by a trust ratio of whole-table norms. On a
 table split into row or column shards, no shard can compute that ratio alone,
@@ -9,9 +9,10 @@ would refuse the split. For the classes in :data:`CROSS_SHARD` it does not:
    or columns (moments, weight decay, the raw update) and writes the partial
    sums the second half needs (``||w||^2``, ``||u||^2`` ...) into its table's
    slot of one flat buffer.
-2. When backward ends, **one all-reduce** sums that buffer across ranks: the
-   slots of every such table of the module travel together, so one table or
-   forty cost the same one collective per step.
+2. When backward ends, the module's end-of-backward round
+   (:class:`overlap_optim.round.EndOfBackwardRound`) sums that buffer across
+   ranks in **one all-reduce**: the slots of every such table of the module
+   travel together, so one table or forty cost the same one collective per step.
 3. Each shard finishes its update with the whole-table statistics.
 
 The result is the unsharded optimizer's, with dense semantics (every row of
@@ -20,9 +21,12 @@ dense ``nn.EmbeddingBag``.
 
 Every rank takes part in the round in the same order, a rank that holds no
 shard of such a table or whose shards saw no rows included: each kernel of
-the module carries an anchor whose backward arms the round (an autograd-engine
-callback at the end of backward), and a rank contributes zeros for what it
-does not hold.
+the module carries an anchor whose backward arms the round, and a rank
+contributes zeros for what it does not hold.
+
+:class:`CrossShardTable` is the kind (``KernelKind.CROSS_SHARD``, see
+:mod:`sharders.kernels`); :class:`CrossShardOptimizer` and its subclasses are
+the per-shard math, one per optimizer class.
 
 :data:`CROSS_SHARD` is a plain dict ``optimizer class -> implementation``.
 Classes from optional packages (pytorch-optimizer) are added only when the
@@ -36,16 +40,15 @@ import sys
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
-from torch.autograd import Variable
 
+from overlap_optim.round import EndOfBackwardRound
 from overlap_optim.spec import AnnotationGroup, OptimizerSpec
 from overlap_optim.update import DenseTableOptimizer
+from sharders.fallback import FallbackTable
+from sharders.kernels import BuildContext, KernelKind, split_axis
 
 __all__ = [
-    "CROSS_SHARD", "cross_shard_class", "Geometry", "CrossShardTable", "LayerwiseRound", "install_round",
-    "split_axis", "sharded_state_layouts", "LAYOUTS",
+    "CROSS_SHARD", "cross_shard_class", "Geometry", "CrossShardOptimizer", "CrossShardTable", "sharded_state_layouts",
 ]
 
 
@@ -57,22 +60,6 @@ class Geometry:
     table_shape: tuple[int, int]
     offsets: tuple[int, int]
     axis: int
-
-
-def split_axis(decision: Any) -> int:
-    """0 for a table split into row shards, 1 for column shards."""
-    return 0 if decision.sharding_type in ("row_wise", "table_row_wise") else 1
-
-
-# A sharded state entry's shape, from the table's (rows, cols); ``zero`` fills the other axis
-# (0 for offsets, 1 for sizes).
-LAYOUTS = {
-    "element": lambda rows, cols, zero=1: (rows, cols),
-    "row": lambda rows, cols, zero=1: (rows, zero),  # (R, 1): Adafactor's row_var, row-wise Adagrad's sum
-    "row_vector": lambda rows, cols, zero=1: (rows,),  # (R,): CAME's row factors
-    "column": lambda rows, cols, zero=1: (zero, cols),  # (1, C): Adafactor's col_var
-    "column_vector": lambda rows, cols, zero=1: (cols,),  # (C,): CAME's column factors
-}
 
 
 def sharded_state_layouts(spec: OptimizerSpec, axis: int) -> dict[str, str]:
@@ -90,11 +77,11 @@ def sharded_state_layouts(spec: OptimizerSpec, axis: int) -> dict[str, str]:
     return layouts
 
 
-class CrossShardTable(DenseTableOptimizer):
+class CrossShardOptimizer(DenseTableOptimizer):
     """A split table's layer-wise optimizer, one local shard of it (dense semantics).
 
     Subclasses give the optimizer's math in two halves: :meth:`partials` (local,
-    in backward) and :meth:`finish` (with the summed statistics). State is kept
+    in backward) and :meth:`complete` (with the summed statistics). State is kept
     as :class:`DenseTableOptimizer` keeps it, under the reference optimizer's
     names, so checkpoints see no difference.
     """
@@ -104,7 +91,7 @@ class CrossShardTable(DenseTableOptimizer):
         """Floats of whole-table statistics per step; the same on every rank."""
         return 2
 
-    def __init__(self, weight, group: AnnotationGroup, name: str, geometry: Geometry, round_: LayerwiseRound) -> None:
+    def __init__(self, weight, group: AnnotationGroup, name: str, geometry: Geometry, round_: EndOfBackwardRound) -> None:
         super().__init__(weight, group, name)
         self.geometry, self.round = geometry, round_
         self._grad: torch.Tensor | None = None
@@ -120,14 +107,11 @@ class CrossShardTable(DenseTableOptimizer):
         if self.group.spec.kwargs.get("maximize"):
             grad = -grad
         hypers = self.group.param_group
-        self.round.add(self, self.partials(grad, state, hypers))
+        self.round.contribute(self.name, self.partials(grad, state, hypers), self.complete)
 
-    def init_state(self) -> None:
-        """Placeholder state (zeros, no step taken) to load a checkpoint over."""
-        if self.state:
-            return
+    def _make_placeholder(self) -> None:
+        """Zeros, no step taken."""
         self._fresh_state(self._optimizer.state[self.weight])
-        self.placeholder_state = True
 
     def _check_settings(self) -> None:
         """Refuse settings whose cross-shard form is not built, naming the table."""
@@ -138,7 +122,8 @@ class CrossShardTable(DenseTableOptimizer):
     def partials(self, grad: torch.Tensor, state: dict[str, Any], hypers: dict[str, Any]) -> torch.Tensor:
         raise NotImplementedError
 
-    def finish(self, stats: torch.Tensor) -> None:
+    def complete(self, stats: torch.Tensor) -> None:
+        """Finish the step with the whole table's statistics (this table's slot of the round, summed)."""
         raise NotImplementedError
 
     def _refuse(self, what: str) -> None:
@@ -146,7 +131,7 @@ class CrossShardTable(DenseTableOptimizer):
                          "use table_wise or data_parallel for this table")
 
 
-class LambTable(CrossShardTable):
+class LambTable(CrossShardOptimizer):
     """pytorch-optimizer's ``Lamb``: Adam moments, then the trust ratio ``||w|| / ||u||``."""
 
     def _check_settings(self) -> None:
@@ -179,7 +164,7 @@ class LambTable(CrossShardTable):
         self._grad = update
         return torch.stack([self.weight.square().sum(), update.square().sum()]).double()
 
-    def finish(self, stats):
+    def complete(self, stats):
         h, state = self.group.param_group, self._optimizer.state[self.weight]
         weight_norm = stats[0].sqrt().clamp(min=0, max=10.0).to(self.weight.dtype)  # Lamb.clamp
         update_norm = stats[1].sqrt().to(self.weight.dtype)
@@ -194,7 +179,7 @@ class LambTable(CrossShardTable):
         self._grad = None
 
 
-class AdafactorTable(CrossShardTable):
+class AdafactorTable(CrossShardOptimizer):
     """``torch.optim.Adafactor`` on a 2-D table: factored second moments, the RMS of the weight
     and of the update.
 
@@ -247,7 +232,7 @@ class AdafactorTable(CrossShardTable):
         return torch.cat([weight_sq[None], torch.zeros(1, dtype=torch.float64), flag[None],
                           square.sum(1).double(), b.double()])
 
-    def finish(self, stats):
+    def complete(self, stats):
         h, state = self.group.param_group, self._optimizer.state[self.weight]
         if stats[2] > 0:
             raise ValueError(
@@ -280,7 +265,7 @@ class AdafactorTable(CrossShardTable):
         self._grad = None
 
 
-class CameTable(CrossShardTable):
+class CameTable(CrossShardOptimizer):
     """came-pytorch's ``CAME``: Adafactor's factored second moment, then a factored confidence
     (the residual ``(u - m)^2``) that scales the momentum.
 
@@ -330,7 +315,7 @@ class CameTable(CrossShardTable):
         k = grad.double() / col.double().sqrt()[None, :]
         return torch.cat([weight_sq, sq.double().sum(1), (k * k).sum(1), (k * m_old).sum(1), (m_old * m_old).sum(1)])
 
-    def finish(self, stats):
+    def complete(self, stats):
         h, state = self.group.param_group, self._optimizer.state[self.weight]
         (beta1, beta2, beta3), (_, eps2) = h["betas"], h["eps"]
         rows, cols = self.geometry.table_shape
@@ -370,7 +355,7 @@ class CameTable(CrossShardTable):
         self._grad = None
 
 
-class LarsTable(CrossShardTable):
+class LarsTable(CrossShardOptimizer):
     """pytorch-optimizer's ``LARS``: the trust ratio ``c ||w|| / (||g|| + wd ||w||)``, then momentum."""
 
     def _fresh_state(self, state):
@@ -385,7 +370,7 @@ class LarsTable(CrossShardTable):
         self._grad = grad
         return torch.stack([self.weight.square().sum(), grad.square().sum()]).double()
 
-    def finish(self, stats):
+    def complete(self, stats):
         h, state = self.group.param_group, self._optimizer.state[self.weight]
         param_norm, update_norm = stats[0].sqrt().float(), stats[1].sqrt().float()
         denominator = update_norm + h["weight_decay"] * param_norm
@@ -400,7 +385,7 @@ class LarsTable(CrossShardTable):
 
 
 # optimizer class -> its cross-shard implementation. Optional packages join once imported.
-CROSS_SHARD: dict[type, type[CrossShardTable]] = {torch.optim.Adafactor: AdafactorTable}
+CROSS_SHARD: dict[type, type[CrossShardOptimizer]] = {torch.optim.Adafactor: AdafactorTable}
 _OPTIONAL = {
     ("pytorch_optimizer", "Lamb"): LambTable,
     ("pytorch_optimizer", "LARS"): LarsTable,
@@ -408,7 +393,7 @@ _OPTIONAL = {
 }
 
 
-def cross_shard_class(optimizer_class: type) -> type[CrossShardTable] | None:
+def cross_shard_class(optimizer_class: type) -> type[CrossShardOptimizer] | None:
     """The implementation for ``optimizer_class``, or None: it stays refused on split tables."""
     for (package, name), implementation in _OPTIONAL.items():
         module = sys.modules.get(package)
@@ -417,67 +402,26 @@ def cross_shard_class(optimizer_class: type) -> type[CrossShardTable] | None:
     return CROSS_SHARD.get(optimizer_class)
 
 
-class LayerwiseRound:
-    """The one all-reduce per step of a sharded module's split layer-wise tables.
+class CrossShardTable(FallbackTable):
+    """The kind of a split table whose layer-wise optimizer has a cross-shard form: its shards
+    run in the fallback kernel and meet in the module's end-of-backward round."""
 
-    ``slots``: ``(table name, size)`` of every such table of the module, in the
-    same order on every rank.
-    """
+    kind = KernelKind.CROSS_SHARD
 
-    def __init__(self, slots: list[tuple[str, int]], process_group: dist.ProcessGroup | None) -> None:
-        self.offsets: dict[str, tuple[int, int]] = {}
-        position = 0
-        for name, size in slots:
-            self.offsets[name] = (position, size)
-            position += size
-        self.size, self.process_group = position, process_group
-        self.pending: list[tuple[CrossShardTable, torch.Tensor]] = []
-        self.armed = False
-        self.rounds = 0
+    def _geometry(self, offsets: tuple[int, int] = (0, 0)) -> Geometry:
+        return Geometry(self.decision.shape, tuple(offsets), split_axis(self.decision.sharding_type))
 
-    def add(self, table: CrossShardTable, partials: torch.Tensor) -> None:
-        self.pending.append((table, partials))
+    def join_round(self, round_: EndOfBackwardRound) -> None:
+        implementation = cross_shard_class(self.group.optimizer_class)
+        round_.register(self.table, implementation.slot_size(self._geometry()))
 
-    def arm(self) -> None:
-        """In backward, on every rank: run the round when backward ends (once)."""
-        if not self.armed:
-            Variable._execution_engine.queue_callback(self.run)
-            self.armed = True
+    def make_optimizer(self, weight: torch.Tensor, config: Any, context: BuildContext) -> CrossShardOptimizer:
+        implementation = cross_shard_class(self.group.optimizer_class)
+        geometry = self._geometry(config.local_metadata.shard_offsets)
+        return implementation(weight, self.group, self.table, geometry, context.round)
 
-    @torch.no_grad()
-    def run(self) -> None:
-        pending, self.pending, self.armed = self.pending, [], False
-        buffer = torch.zeros(self.size, dtype=torch.float64)
-        for table, partials in pending:
-            start, size = self.offsets[table.name]
-            buffer[start : start + size] += partials
-        dist.all_reduce(buffer, group=self.process_group)
-        self.rounds += 1
-        for table, _ in pending:
-            start, size = self.offsets[table.name]
-            table.finish(buffer[start : start + size])
+    def state_layout(self) -> dict[str, str]:
+        return sharded_state_layouts(self.group.spec, split_axis(self.decision.sharding_type))
 
-
-class _Arm(torch.autograd.Function):
-    """Identity on a kernel's output; its backward arms the module's round."""
-
-    @staticmethod
-    def forward(ctx, output, round_):
-        ctx.round = round_
-        return output.view_as(output)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.round.arm()
-        return grad, None
-
-
-def install_round(kernels: list[nn.Module], round_: LayerwiseRound) -> None:
-    """Anchor the round on every kernel of the module that this rank runs."""
-    if not kernels:
-        raise ValueError(
-            "this rank runs no kernel of a module whose split tables use a layer-wise optimizer, so it "
-            "could not take part in their statistics round; give every rank at least one table of that module"
-        )
-    for kernel in kernels:
-        kernel.register_forward_hook(lambda module, args, output: _Arm.apply(output, round_))
+    def runs_as(self) -> str:
+        return "fallback: whole-table statistics across shards (1 all-reduce per step)"

@@ -1,0 +1,249 @@
+"""Every private torch API the core touches, each in one place, each named and checked.
+
+torch does not promise these across releases. Each is reached only through the
+functions of this module, so an upgrade that removes one breaks one function,
+and ``tests/test_private_apis.py`` names it: it checks every entry of
+:data:`PRIVATE_APIS` against the installed torch.
+
+The sharded-tensor names (``Shard``, ``ShardedTensor``, ...) live in
+``torch.distributed._shard``, a private package; they are re-exported from here
+so that no other module imports it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.optim.apply_optimizer_in_backward as _torch_in_backward
+from torch.autograd import Variable
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
+
+__all__ = [
+    "PRIVATE_APIS",
+    "queue_end_of_backward",
+    "ddp_managed_parameters",
+    "skip_ddp_lazy_init",
+    "tell_reducer_optimizer_in_backward",
+    "in_backward_hook_handles",
+    "add_in_backward_hook_handle",
+    "pop_in_backward_hook_handles",
+    "hook_handle_alive",
+    "sharded_tensor_from_local_shards",
+    "sharded_tensor_process_group",
+    "foreach",
+    "Shard",
+    "ShardedTensor",
+    "ShardedTensorMetadata",
+    "ShardMetadata",
+    "TensorProperties",
+]
+
+
+# -- the autograd engine --
+
+
+def queue_end_of_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the running backward pass ends.
+
+    Private API: ``Variable._execution_engine.queue_callback`` (torch's own
+    in-backward DDP path and FSDP use it; no public equivalent in torch 2.13).
+    Call it from inside backward only.
+    """
+    Variable._execution_engine.queue_callback(callback)
+
+
+# -- DistributedDataParallel --
+
+
+def ddp_managed_parameters(ddp_model: DistributedDataParallel) -> list[torch.nn.Parameter]:
+    """The parameters DDP reduces, in its order (those it was told to ignore left out).
+
+    Private API: ``DistributedDataParallel._module_parameters``.
+    """
+    return ddp_model._module_parameters
+
+
+def skip_ddp_lazy_init(ddp_model: DistributedDataParallel) -> None:
+    """Keep DDP from running its lazy init at the first forward.
+
+    Private API: ``DistributedDataParallel._lazy_init_ran``. The lazy init only
+    installs torch's own in-backward hook for parameters that carry
+    ``_in_backward_optimizers``, which crashes on CPU and cannot be combined with
+    another comm hook; marking it done skips it.
+    """
+    ddp_model._lazy_init_ran = True
+
+
+def tell_reducer_optimizer_in_backward(ddp_model: DistributedDataParallel) -> None:
+    """Tell DDP's reducer that an optimizer consumes the gradients in backward.
+
+    Private API: ``Reducer._set_optimizer_in_backward``. The reducer then
+    rebuilds a gradient released to None from its bucket at every step, and no
+    longer copies the bucket into ``param.grad`` itself.
+    """
+    ddp_model.reducer._set_optimizer_in_backward()
+
+
+def _probe_ddp() -> DistributedDataParallel:
+    """A one-layer DDP model, to check DDP's instance attributes (needs the default process group)."""
+    return DistributedDataParallel(torch.nn.Linear(1, 1))
+
+
+# -- torch's in-backward annotation --
+
+
+def in_backward_hook_handles(param: torch.Tensor) -> list[RemovableHandle]:
+    """The in-backward hook handles registered for ``param`` (empty if none).
+
+    Private API: ``torch.distributed.optim.apply_optimizer_in_backward.param_to_optim_hook_handle_map``,
+    the registry torch's ``_apply_optimizer_in_backward`` fills and DDP's lazy
+    init empties (removing each hook) before it installs its own.
+    """
+    return _torch_in_backward.param_to_optim_hook_handle_map.get(param, [])
+
+
+def add_in_backward_hook_handle(param: torch.Tensor, handle: RemovableHandle) -> None:
+    """Record ``handle`` in torch's registry (see :func:`in_backward_hook_handles`), so that
+    DDP's lazy init finds and removes it as it removes torch's own."""
+    _torch_in_backward.param_to_optim_hook_handle_map.setdefault(param, []).append(handle)
+
+
+def pop_in_backward_hook_handles(param: torch.Tensor) -> list[RemovableHandle]:
+    """Take ``param``'s handles out of torch's registry (see :func:`in_backward_hook_handles`)."""
+    return _torch_in_backward.param_to_optim_hook_handle_map.pop(param, [])
+
+
+def hook_handle_alive(handle: RemovableHandle) -> bool:
+    """Whether the hook of ``handle`` is still registered (no one removed it).
+
+    Undocumented API: ``RemovableHandle.hooks_dict_ref`` and ``RemovableHandle.id``
+    (torch has no public way to ask a handle whether it was removed).
+    """
+    hooks = handle.hooks_dict_ref()
+    return hooks is not None and handle.id in hooks
+
+
+def _probe_handle() -> tuple[Any, int]:
+    handle = RemovableHandle(OrderedDict())  # what Module and Tensor keep their hooks in
+    return handle.hooks_dict_ref, handle.id
+
+
+def _annotation_contract() -> tuple[str, ...]:
+    """The attribute names torch's ``_apply_optimizer_in_backward`` sets on a parameter.
+
+    Private API: ``torch.distributed.optim._apply_optimizer_in_backward``. We set
+    the same names (``_optimizer_classes``, ``_optimizer_kwargs``,
+    ``_in_backward_optimizers``) and TorchRec's sharders read them: a contract.
+    Raises AttributeError when torch no longer sets one of them.
+    """
+    param = torch.nn.Parameter(torch.zeros(1))
+    _torch_in_backward._apply_optimizer_in_backward(torch.optim.SGD, [param], {"lr": 0.1}, register_hook=False)
+    names = ("_optimizer_classes", "_optimizer_kwargs", "_in_backward_optimizers")
+    missing = [name for name in names if not hasattr(param, name)]
+    if missing:
+        raise AttributeError(f"_apply_optimizer_in_backward no longer sets {missing} on a parameter")
+    return names
+
+
+# -- ShardedTensor (torch.distributed._shard) --
+
+
+def sharded_tensor_from_local_shards(
+    local_shards: list[Shard], metadata: ShardedTensorMetadata, process_group: dist.ProcessGroup | None
+) -> ShardedTensor:
+    """A ShardedTensor made of this rank's ``local_shards``, described by the global ``metadata``.
+
+    Private API: ``ShardedTensor._init_from_local_shards_and_global_metadata``
+    (the public ``init_from_local_shards`` gathers the metadata across ranks, a
+    collective; here every rank knows it already).
+    """
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards, metadata, process_group=process_group
+    )
+
+
+def sharded_tensor_process_group(tensor: ShardedTensor) -> dist.ProcessGroup | None:
+    """The process group ``tensor`` is sharded over.
+
+    Private API: ``ShardedTensor._process_group`` (no public accessor).
+    """
+    return tensor._process_group
+
+
+def _probe_sharded_tensor() -> ShardedTensor:
+    """A ShardedTensor of one shard on this rank (needs a default process group of one rank)."""
+    shard = ShardMetadata(shard_offsets=[0], shard_sizes=[2], placement=f"rank:{dist.get_rank()}/cpu")
+    metadata = ShardedTensorMetadata(
+        shards_metadata=[shard], size=torch.Size([2]), tensor_properties=TensorProperties(dtype=torch.float32)
+    )
+    return sharded_tensor_from_local_shards([Shard(torch.zeros(2), shard)], metadata, dist.group.WORLD)
+
+
+# -- multi-tensor (foreach) kernels --
+
+_FOREACH_OPS = (
+    "abs", "add", "add_", "addcdiv_", "addcmul", "addcmul_", "div", "div_", "lerp_", "maximum_", "mul", "mul_",
+    "neg", "sqrt", "sqrt_",
+)
+
+
+class _Foreach:
+    """``foreach.mul_`` is ``torch._foreach_mul_``, and so on for every op of ``_FOREACH_OPS``.
+
+    Private API: ``torch._foreach_*``, torch's multi-tensor kernels (what
+    ``torch.optim``'s ``foreach`` implementations call; no public equivalent).
+    Each op is looked up on ``torch`` at each use, as ``torch._foreach_mul_``
+    written in place would be, so that a patched torch op (``mock.patch``) is
+    the one called; it costs about 50 ns, against tens of microseconds for the op.
+    An op not listed raises AttributeError.
+    """
+
+    __slots__ = ()
+
+
+def _late_bound(op: str) -> property:
+    name = f"_foreach_{op}"
+    return property(lambda self: getattr(torch, name), doc=f"``torch.{name}``")
+
+
+for _op in _FOREACH_OPS:
+    setattr(_Foreach, _op, _late_bound(_op))
+del _op
+
+foreach: Any = _Foreach()
+
+
+def _foreach_entry(op: str) -> Callable[[], object]:
+    return lambda: getattr(torch, f"_foreach_{op}")
+
+
+# name -> a function that returns the private object (raises if it is gone).
+# The probes of instance attributes build a tiny DDP model or ShardedTensor: they
+# need torch.distributed initialized (the test makes a world-size-1 gloo group).
+PRIVATE_APIS: dict[str, Callable[[], object]] = {
+    "torch.autograd.Variable._execution_engine.queue_callback": lambda: Variable._execution_engine.queue_callback,
+    "torch.nn.parallel.DistributedDataParallel._module_parameters": lambda: _probe_ddp()._module_parameters,
+    "torch.nn.parallel.DistributedDataParallel._lazy_init_ran": lambda: _probe_ddp()._lazy_init_ran,
+    "torch.distributed.Reducer._set_optimizer_in_backward": lambda: dist.Reducer._set_optimizer_in_backward,
+    "torch.distributed.optim.apply_optimizer_in_backward.param_to_optim_hook_handle_map": (
+        lambda: _torch_in_backward.param_to_optim_hook_handle_map
+    ),
+    "torch.distributed.optim._apply_optimizer_in_backward sets _optimizer_classes, _optimizer_kwargs, "
+    "_in_backward_optimizers": _annotation_contract,
+    "torch.utils.hooks.RemovableHandle.hooks_dict_ref, .id": _probe_handle,
+    "torch.distributed._shard.sharded_tensor.ShardedTensor._init_from_local_shards_and_global_metadata": (
+        lambda: ShardedTensor._init_from_local_shards_and_global_metadata
+    ),
+    "torch.distributed._shard.sharded_tensor.ShardedTensor._process_group": (
+        lambda: _probe_sharded_tensor()._process_group
+    ),
+    **{f"torch._foreach_{op}": _foreach_entry(op) for op in _FOREACH_OPS},
+}

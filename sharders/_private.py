@@ -1,0 +1,145 @@
+"""Every private TorchRec API the sharders touch, each in one place, each named and checked.
+
+TorchRec does not promise these across releases. Each is reached only through
+the functions here, so an upgrade that removes one breaks one function, and
+``tests/test_private_apis.py`` names it: it checks every entry of
+:data:`PRIVATE_APIS` against the installed TorchRec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.batched_embedding_kernel import BatchedDenseEmbeddingBag
+from torchrec.distributed.composable.table_batched_embedding_slice import TableBatchedEmbeddingSlice
+from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
+from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.optim.keyed import CombinedOptimizer
+
+__all__ = [
+    "PRIVATE_APIS", "BATCH_KEY", "WRAPPED", "lookups", "kernels_of_lookup", "kernels_of", "add_fused_optimizer", "sharded_weights",
+    "wrapped_module", "DenseKernelLayout", "dense_kernel_layout", "slice_again",
+]
+
+# The name under which DistributedModelParallel registers the module it wraps.
+WRAPPED = "_dmp_wrapped_module"
+
+# A fused-params entry TorchRec groups tables into kernels by, then drops before building a
+# kernel (``torchrec.distributed.embedding_sharding``): it keeps tables apart that we want apart.
+BATCH_KEY = "_batch_key"
+
+
+def lookups(sharded: nn.Module) -> list[nn.Module]:
+    """A sharded module's lookups, one per sharding type (DDP-wrapped for data_parallel).
+    Private: ``ShardedEmbeddingBagCollection._lookups``."""
+    return sharded._lookups
+
+
+def kernels_of_lookup(lookup: nn.Module) -> list[nn.Module]:
+    """The TBE kernels of one (unwrapped) lookup. Private: ``GroupedPooledEmbeddingsLookup._emb_modules``."""
+    return list(getattr(lookup, "_emb_modules", []))
+
+
+def kernels_of(sharded: nn.Module) -> Iterator[tuple[nn.Module, nn.Module]]:
+    """``(lookup, kernel)`` for every TBE kernel of every lookup of a sharded module."""
+    for lookup in lookups(sharded):
+        inner = lookup.module if isinstance(lookup, DistributedDataParallel) else lookup
+        for kernel in kernels_of_lookup(inner):
+            yield lookup, kernel
+
+
+def add_fused_optimizer(sharded: nn.Module, optimizer: Any) -> None:
+    """Add ``optimizer`` to the sharded module's ``fused_optimizer`` (a CombinedOptimizer TorchRec
+    built before we saw the module). Private: ``ShardedEmbeddingBagCollection._optim._optims``."""
+    sharded._optim._optims.append(("", optimizer))
+
+
+def sharded_weights(sharded: nn.Module) -> dict[str, Any]:
+    """Table name -> its model-parallel weight (a ``ShardedTensor``). Private:
+    ``ShardedEmbeddingBagCollection._model_parallel_name_to_sharded_tensor``."""
+    return dict(sharded._model_parallel_name_to_sharded_tensor)
+
+
+def wrapped_module(dmp: DistributedModelParallel) -> nn.Module:
+    """What DMP wraps (DDP, for the data-parallel part). Private: ``DistributedModelParallel._dmp_wrapped_module``."""
+    return getattr(dmp, WRAPPED)
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseKernelLayout:
+    """How a TorchRec dense TBE kernel maps features to tables and reads its inputs."""
+
+    feature_table_map: list[int]
+    pooling: Any
+    index_dtype: torch.dtype
+    offset_dtype: torch.dtype
+
+
+def dense_kernel_layout(kernel: BatchedDenseEmbeddingBag) -> DenseKernelLayout:
+    """Private: ``BatchedDenseEmbeddingBag._feature_table_map``, ``._pooling``,
+    ``._embedding_table_index_type`` and ``._embedding_table_offset_type``."""
+    return DenseKernelLayout(
+        kernel._feature_table_map, kernel._pooling, kernel._embedding_table_index_type,
+        kernel._embedding_table_offset_type,
+    )
+
+
+def slice_again(weight: Any) -> Any:
+    """A table's weight view made again over its TBE's flat weights, so that it takes up their
+    ``requires_grad`` now (TorchRec's view keeps the flag the weights had when it was made), or
+    ``weight`` itself if it is no such view. Private: ``TableBatchedEmbeddingSlice._original_tensor``,
+    ``._start_offset``, ``._end_offset``, ``._num_embeddings``, ``._embedding_dim``."""
+    if not isinstance(weight, TableBatchedEmbeddingSlice):
+        return weight
+    return TableBatchedEmbeddingSlice(
+        weight._original_tensor, weight._start_offset, weight._end_offset, weight._num_embeddings,
+        weight._embedding_dim,
+    )
+
+
+# name -> a function that returns the private object (raises if it is gone). Instance
+# attributes are checked in the code of the class that sets them: no instance is needed.
+PRIVATE_APIS: dict[str, Callable[[], object]] = {
+    "ShardedEmbeddingBagCollection._lookups": lambda: _set_by(ShardedEmbeddingBagCollection, "_lookups"),
+    "ShardedEmbeddingBagCollection._optim": lambda: _set_by(ShardedEmbeddingBagCollection, "_optim"),
+    "ShardedEmbeddingBagCollection._model_parallel_name_to_sharded_tensor": lambda: _set_by(
+        ShardedEmbeddingBagCollection, "_model_parallel_name_to_sharded_tensor"),
+    "CombinedOptimizer._optims": lambda: _set_by(CombinedOptimizer, "_optims"),
+    "GroupedPooledEmbeddingsLookup._emb_modules": lambda: _set_by(GroupedPooledEmbeddingsLookup, "_emb_modules"),
+    "DistributedModelParallel._dmp_wrapped_module": lambda: _set_by(DistributedModelParallel, "_dmp_wrapped_module"),
+    "BatchedDenseEmbeddingBag._feature_table_map": lambda: _set_by(BatchedDenseEmbeddingBag, "_feature_table_map"),
+    "BatchedDenseEmbeddingBag._pooling": lambda: _set_by(BatchedDenseEmbeddingBag, "_pooling"),
+    "BatchedDenseEmbeddingBag._embedding_table_index_type": lambda: _set_by(
+        BatchedDenseEmbeddingBag, "_embedding_table_index_type"),
+    "BatchedDenseEmbeddingBag._embedding_table_offset_type": lambda: _set_by(
+        BatchedDenseEmbeddingBag, "_embedding_table_offset_type"),
+    **{f"TableBatchedEmbeddingSlice.{n}": (lambda n=n: _set_by(TableBatchedEmbeddingSlice, n)) for n in (
+        "_original_tensor", "_start_offset", "_end_offset", "_num_embeddings", "_embedding_dim")},
+    "fused params key _batch_key (embedding_sharding.group_tables)": lambda: _mentions(
+        "torchrec.distributed.embedding_sharding", BATCH_KEY),
+}
+
+
+def _set_by(cls: type, name: str) -> str:
+    """``name`` if some method of ``cls`` (or of a base) uses the attribute; AttributeError if none does."""
+    for klass in cls.__mro__:
+        for value in vars(klass).values():
+            code = getattr(value, "__code__", None)
+            if code is not None and name in code.co_names:
+                return name
+    raise AttributeError(f"no method of {cls.__name__} sets or reads {name!r} any more")
+
+
+def _mentions(module: str, text: str) -> str:
+    source = inspect.getsource(importlib.import_module(module))
+    if text not in source:
+        raise AttributeError(f"{module} no longer mentions {text!r}")
+    return text

@@ -1,0 +1,123 @@
+"""The frozen kind: a table whose weight has ``requires_grad=False`` is looked up, never updated.
+
+``torch.optim`` never steps a parameter that does not require grad, so a frozen
+table keeps its weights bitwise, whatever it was annotated with (frozen wins
+over the annotation). It holds no optimizer state and does no gradient work:
+
+- model-parallel (table_wise, row_wise, column_wise...): it runs in a kernel of
+  its own whose backward drops the output gradient. The kernel's output still
+  requires grad, so the output all-to-all's backward runs on every rank, as its
+  peers expect;
+- data_parallel: its kernel's weights leave DDP, so nothing is all-reduced.
+
+Setting ``requires_grad`` back to True on the sharded weight is refused at the
+next lookup, on every rank, naming the table: the decision was made at
+sharding. Shard again to train it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from sharders import _private
+from sharders.fallback import FallbackEmbeddingBag
+from sharders.kernels import BuildContext, KernelKind, TableKernel
+
+__all__ = ["FrozenTable", "FrozenEmbeddingBag"]
+
+
+class FrozenTable(TableKernel):
+    """A table whose weight had ``requires_grad=False`` when it was sharded."""
+
+    kind = KernelKind.FROZEN
+    sharded_state = False
+
+    def batch_key(self) -> Hashable:
+        return (self.kind,)
+
+    @classmethod
+    def adopt(cls, kernel: nn.Module, tables: list[TableKernel], context: BuildContext) -> None:
+        FrozenEmbeddingBag.adopt_frozen(kernel)
+
+    @classmethod
+    def install(cls, tables: list[TableKernel], context: BuildContext) -> None:
+        lookups = _private.lookups(context.sharded)
+        for i, lookup in enumerate(lookups):
+            if isinstance(lookup, DistributedDataParallel):
+                lookups[i] = _without_frozen(lookup, context)
+        for table in tables:  # the weights no longer require grad: so their views say
+            bag = context.sharded.embedding_bags[table.table]
+            weight = getattr(bag, "weight", None)
+            if isinstance(weight, nn.Parameter):
+                bag.weight = weight = _private.slice_again(weight)
+            if isinstance(weight, torch.Tensor) and weight.is_leaf:  # an empty one, where another rank holds it
+                weight.requires_grad_(False)
+            table.watch(context.sharded)
+
+    def __init__(self, decision: Any) -> None:
+        super().__init__(decision)
+        self._weight: torch.Tensor | None = None
+
+    def watch(self, sharded: nn.Module) -> None:
+        """Remember the sharded weight whose ``requires_grad`` :meth:`check_live` reads."""
+        self._weight = getattr(sharded.embedding_bags[self.table], "weight", None)
+
+    def check_live(self) -> None:
+        if self._weight is not None and self._weight.requires_grad:
+            raise ValueError(
+                f"table {self.table!r} was frozen when it was sharded (requires_grad=False), and its "
+                "weight now requires grad: a frozen table is looked up only, with no optimizer and no "
+                "gradient. Set requires_grad before sharding, and shard the model again to train it"
+            )
+
+    def state_bytes(self, shard_shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> int:
+        return 0
+
+    def runs_as(self) -> str:
+        return "frozen: looked up, never updated"
+
+
+def _without_frozen(lookup: DistributedDataParallel, context: BuildContext) -> nn.Module:
+    """The data-parallel lookup, wrapped again by DDP without its frozen kernels' weights (the
+    same DDP arguments TorchRec uses), or unwrapped if nothing in it trains."""
+    frozen = [
+        kernel for kernel in _private.kernels_of_lookup(lookup.module)
+        if context.tables[kernel.config.embedding_tables[0].name].kind is KernelKind.FROZEN
+    ]
+    if not frozen:
+        return lookup
+    for kernel in frozen:
+        kernel.emb_module.weights.requires_grad_(False)
+    if not any(p.requires_grad for p in lookup.module.parameters()):
+        return lookup.module
+    return DistributedDataParallel(
+        lookup.module,
+        device_ids=lookup.device_ids,
+        process_group=lookup.process_group,
+        gradient_as_bucket_view=lookup.gradient_as_bucket_view,
+        broadcast_buffers=lookup.broadcast_buffers,
+        static_graph=lookup.static_graph,
+    )
+
+
+class FrozenEmbeddingBag(FallbackEmbeddingBag):
+    """A dense TorchRec kernel of frozen tables: the lookup, and a backward that drops the gradient."""
+
+    @classmethod
+    def adopt_frozen(cls, dense: nn.Module) -> FrozenEmbeddingBag:
+        """Turn TorchRec's dense kernel ``dense`` into a frozen one in place, and return it."""
+        dense.__class__ = cls
+        dense.row_optimizers = []
+        dense.emb_module.weights.requires_grad_(False)
+        # The anchor keeps the output in the graph, so this rank's all-to-all backward runs.
+        dense._anchor = torch.empty(0, requires_grad=True)
+        return dense
+
+    @torch.no_grad()
+    def update_rows(self, *unused: Any) -> None:
+        """Nothing: a frozen table is never updated."""

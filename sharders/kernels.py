@@ -1,0 +1,294 @@
+"""Table kernels: one protocol, one class per kind.
+
+Every table of a sharded module runs in one kind of kernel. The decision table
+(:mod:`sharders.optimizer_table`) picks the :class:`KernelKind`; from then on the
+kind's class owns the table:
+
+| kind | class (module) | update | semantics |
+| --- | --- | --- | --- |
+| ``USER`` | :class:`UserTable` (here) | none: ``.grad`` goes to the user's optimizer | user |
+| ``FROZEN`` | ``FrozenTable`` (:mod:`sharders.frozen`) | none: looked up only | frozen |
+| ``FUSED`` | ``FusedTable`` (:mod:`sharders.fbgemm`) | FBGEMM's fused TBE backward | lazy |
+| ``LAZY`` | ``LazyTable`` (:mod:`sharders.fallback`) | torch.optim on the touched rows | lazy |
+| ``DENSE`` | ``DenseTable`` (:mod:`sharders.fallback`) | torch.optim on the whole shard | dense |
+| ``CROSS_SHARD`` | ``CrossShardTable`` (:mod:`sharders.cross_shard`) | half per shard, statistics in the end-of-backward round | dense |
+| ``DATA_PARALLEL`` | ``DataParallelTable`` (:mod:`sharders.data_parallel`) | torch.optim in the DDP hook | dense |
+
+A kind's class answers every question the rest of the package asks of a table
+(:class:`TableKernel`): which TorchRec compute kernel it asks the plan for,
+which tables may share that kernel, how it takes the kernel over, its state
+layout and size in bytes per shard, its placeholder rule (through its shards'
+state objects, :class:`ShardState`), its ``describe()`` row, and its check of
+settings changed at run time. ``describe``, ``live_settings``, ``table_state``
+and the sharder iterate over table kernels; none branches on a kind.
+
+A new kind is one class here or in its own module, registered by its ``kind``,
+and one line in the decision table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Hashable
+from typing import Any, ClassVar, Protocol
+
+import torch
+from torch import nn
+
+from overlap_optim.round import EndOfBackwardRound
+from overlap_optim.spec import AnnotationGroup
+
+__all__ = [
+    "KernelKind", "KernelChoice", "TableDecision", "ShardState", "LocalShard", "TableKernel", "BuildContext",
+    "UserTable", "kernel_class", "ROW_SPLITTING", "COLUMN_SPLITTING", "split_axis", "LAYOUTS",
+]
+
+ROW_SPLITTING = ("row_wise", "table_row_wise")
+COLUMN_SPLITTING = ("column_wise", "table_column_wise")
+
+# A sharded state entry's shape, from the table's (rows, cols); ``zero`` fills the other axis
+# (0 for offsets, 1 for sizes).
+LAYOUTS = {
+    "element": lambda rows, cols, zero=1: (rows, cols),
+    "row": lambda rows, cols, zero=1: (rows, zero),  # (R, 1): Adafactor's row_var, row-wise Adagrad's sum
+    "row_vector": lambda rows, cols, zero=1: (rows,),  # (R,): CAME's row factors
+    "column": lambda rows, cols, zero=1: (zero, cols),  # (1, C): Adafactor's col_var
+    "column_vector": lambda rows, cols, zero=1: (cols,),  # (C,): CAME's column factors
+}
+
+
+def split_axis(sharding_type: str) -> int:
+    """0 for a table split into row shards, 1 for column shards."""
+    return 0 if sharding_type in ROW_SPLITTING else 1
+
+
+class KernelKind(enum.Enum):
+    """Where a table's update runs; the decision table returns one per table."""
+
+    USER = "user"
+    FROZEN = "frozen"
+    FUSED = "fused"
+    LAZY = "lazy"
+    DENSE = "dense"
+    CROSS_SHARD = "cross_shard"
+    DATA_PARALLEL = "data_parallel"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """Whether FBGEMM computes a table's update exactly.
+
+    Attributes:
+        fused: True for an FBGEMM fused TBE kernel, False for the fallback.
+        fbgemm_kwargs: for a fused table, the complete translated TBE kwargs
+            (``optimizer``, ``learning_rate``, ...); empty for the fallback.
+        reason: for the fallback, the setting that prevented fusion.
+    """
+
+    fused: bool
+    fbgemm_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class TableDecision:
+    """Where one table's update runs, and why; made once per table, the same on every rank."""
+
+    table: str
+    sharding_type: str
+    shape: tuple[int, int]  # the whole table's (rows, dim)
+    group: AnnotationGroup | None  # None: no annotation (USER) or frozen (FROZEN)
+    choice: KernelChoice
+    kind: KernelKind
+    device_type: str = "cpu"
+
+    @property
+    def semantics(self) -> str:
+        """"lazy": only the rows a batch touched change; "dense": every row steps (a zero gradient
+        where untouched); "user": not ours to step; "frozen": never stepped."""
+        return _SEMANTICS[self.kind]
+
+
+_SEMANTICS = {
+    KernelKind.USER: "user", KernelKind.FROZEN: "frozen", KernelKind.FUSED: "lazy", KernelKind.LAZY: "lazy",
+    KernelKind.DENSE: "dense", KernelKind.CROSS_SHARD: "dense", KernelKind.DATA_PARALLEL: "dense",
+}
+
+
+_FAMILY = {
+    KernelKind.USER: "user", KernelKind.FROZEN: "frozen", KernelKind.FUSED: "fused", KernelKind.LAZY: "fallback",
+    KernelKind.DENSE: "fallback", KernelKind.CROSS_SHARD: "fallback", KernelKind.DATA_PARALLEL: "data_parallel_hook",
+}
+
+
+class ShardState(Protocol):
+    """The optimizer state of one local shard of a table, under torch.optim's names.
+
+    Implemented by the fallback's table optimizers (:mod:`overlap_optim.update`,
+    :mod:`sharders.cross_shard`) and by ``sharders.fbgemm.FusedShardState``.
+    ``init_state`` makes placeholder state that the next step drops unless
+    ``load_state`` replaced it: the placeholder rule of
+    :class:`overlap_optim.update.TableOptimizer`.
+    """
+
+    @property
+    def state(self) -> dict[str, Any]: ...
+    @property
+    def row_state(self) -> dict[str, torch.Tensor]: ...
+    @property
+    def table_state(self) -> dict[str, Any]: ...
+    def has_real_state(self) -> bool: ...
+    def init_state(self) -> None: ...
+    def drop_placeholder_state(self) -> None: ...
+    def load_state(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclasses.dataclass
+class LocalShard:
+    """One shard of a table held on this rank: where it sits (TorchRec's ``ShardMetadata``)
+    and its optimizer state."""
+
+    metadata: Any
+    state: ShardState
+
+
+@dataclasses.dataclass
+class BuildContext:
+    """What a kind needs to take over TorchRec's kernels of one sharded module."""
+
+    sharded: nn.Module
+    process_group: Any
+    device_type: str
+    round: EndOfBackwardRound
+    tables: dict[str, TableKernel]
+
+
+_KINDS: dict[KernelKind, type[TableKernel]] = {}
+
+
+def kernel_class(kind: KernelKind) -> type[TableKernel]:
+    """The class registered for ``kind``."""
+    if kind not in _KINDS:
+        raise KeyError(f"no table kernel is registered for {kind}; registered: {sorted(k.value for k in _KINDS)}")
+    return _KINDS[kind]
+
+
+class TableKernel:
+    """One table of a sharded module and the kind of kernel that runs it (on every rank).
+
+    ``shards`` are this rank's shards of the table (none where another rank holds it).
+    Subclasses set :attr:`kind` and override what differs; they register on definition.
+    """
+
+    kind: ClassVar[KernelKind]
+    compute_kernel: ClassVar[str | None] = "dense"  # asked of the plan; None: the plan's own (data parallel)
+    sharded_state: ClassVar[bool] = True  # its state is a sharded table's (sharders.table_state); else none, or on its weight
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "kind" in cls.__dict__:
+            assert cls.kind not in _KINDS, f"two classes for {cls.kind}"
+            _KINDS[cls.kind] = cls
+
+    def __init__(self, decision: TableDecision) -> None:
+        self.decision = decision
+        self.shards: list[LocalShard] = []
+
+    @property
+    def table(self) -> str:
+        return self.decision.table
+
+    @property
+    def group(self) -> AnnotationGroup | None:
+        return self.decision.group
+
+    @property
+    def semantics(self) -> str:
+        return self.decision.semantics
+
+    @property
+    def kernel(self) -> str:
+        """The family of kernel that runs it, for people: fused, fallback, user, frozen, data_parallel_hook."""
+        return _FAMILY[self.kind]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.table!r}, {self.decision.sharding_type})"
+
+    # -- placement --
+
+    def batch_key(self) -> Hashable:
+        """Tables with equal keys may share one TorchRec kernel (one lookup, one update)."""
+        return (self.kind, None if self.group is None else self.group.spec.share_key)
+
+    def fbgemm_kwargs(self) -> dict[str, Any]:
+        """The fused params TorchRec passes to its kernel for this table (FBGEMM's, for fused ones)."""
+        return {}
+
+    def join_round(self, round_: EndOfBackwardRound) -> None:
+        """Register this table's slots in the module's end-of-backward round (on every rank, in
+        table order), if its step finishes there."""
+
+    @classmethod
+    def adopt(cls, kernel: nn.Module, tables: list[TableKernel], context: BuildContext) -> None:
+        """Take over TorchRec's ``kernel`` (of a model-parallel lookup) that runs ``tables``, and
+        give each table its :class:`LocalShard` states. Kinds that share a kernel (equal
+        :meth:`batch_key`) share this method."""
+
+    @classmethod
+    def install(cls, tables: list[TableKernel], context: BuildContext) -> None:
+        """Once per kind, on every rank, after every kernel is adopted: ``tables`` are all the
+        module's tables of this kind, held here or not."""
+
+    # -- state --
+
+    def state_layout(self) -> dict[str, str]:
+        """State entries saved as sharded tensors: name -> a layout of :data:`LAYOUTS`."""
+        return {}
+
+    def scalar_names(self) -> list[str]:
+        """State entries saved as plain values, the same on every rank."""
+        return []
+
+    def state_bytes(self, shard_shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of optimizer state one shard of ``shard_shape`` holds (on each rank that holds it)."""
+        if self.group is None:
+            return 0
+        return _bytes(self.group.spec.state_shapes(tuple(shard_shape)), dtype)
+
+    # -- run time --
+
+    def check_live(self) -> None:
+        """Raise, naming the table, for a setting changed at run time that this kernel cannot compute.
+        Called on every rank before the module's first lookup of each step."""
+
+    # -- describe() --
+
+    def runs_as(self) -> str:
+        raise NotImplementedError
+
+    def why_not_fused(self) -> str:
+        return self.decision.choice.reason
+
+    def setting(self) -> str:
+        if self.group is None:
+            return "none"
+        kwargs = ", ".join(f"{k}={v!r}" for k, v in self.group.optimizer_kwargs.items())
+        return f"{self.group.optimizer_class.__name__}({kwargs})"
+
+
+def _bytes(shapes: dict[str, Any], dtype: torch.dtype) -> int:
+    size = torch.empty(0, dtype=dtype).element_size()
+    return sum(math.prod(s) * size for s in shapes.values() if isinstance(s, tuple))
+
+
+class UserTable(TableKernel):
+    """No annotation: TorchRec's dense kernel; the gradient stays on the weight's ``.grad`` for
+    the user's own optimizer (``overlap_optim.unoptimized_parameters``)."""
+
+    kind = KernelKind.USER
+    sharded_state = False
+
+    def runs_as(self) -> str:
+        return "dense: .grad handed back to your optimizer"

@@ -1,0 +1,124 @@
+"""The table-kernel protocol: every kind registered, state sizes as measured, no import circles,
+TorchRec's private names confined to ``sharders/_private.py``."""
+
+from __future__ import annotations
+
+import ast
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+
+import sharders
+from _models import ManyTableModel, covering_batch, loss_of
+from overlap_optim import apply_optimizer_in_backward
+from sharders.kernels import KernelKind, kernel_class
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("overlap_optim", "sharders")
+# Only sharders/_private.py may spell these TorchRec internals.
+CONFINED = ("._lookups", "._optim.", "_model_parallel_name_to_sharded_tensor", "._emb_modules", "_feature_table_map",
+            "._original_tensor", '"_batch_key"', "_dmp_wrapped_module")
+
+
+def test_every_kernel_kind_has_its_class():
+    for kind in KernelKind:
+        assert kernel_class(kind).kind is kind
+
+
+def _imports() -> dict[str, set[str]]:
+    """module -> the modules of our two packages it imports at run time (not under TYPE_CHECKING)."""
+    graph = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).glob("*.py")):
+            name = f"{package}.{path.stem}" if path.stem != "__init__" else package
+            found = set()
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                    node.body = []
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PACKAGES:
+                    found.add(node.module)
+                    found.update(f"{node.module}.{a.name}" for a in node.names)
+                elif isinstance(node, ast.Import):
+                    found.update(a.name for a in node.names if a.name.split(".")[0] in PACKAGES)
+            graph[name] = found
+    return {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
+
+
+def test_no_import_circles_and_arrows_from_sharders_to_the_core_only():
+    graph = _imports()
+    back = sorted(m for m, deps in graph.items() if m.startswith("overlap_optim") and any(d.startswith("sharders") for d in deps))
+    assert not back, f"the core imports sharders: {back}"
+    done, stack = set(), []
+
+    def visit(module):
+        if module in stack:
+            raise AssertionError(f"import circle: {' -> '.join(stack[stack.index(module):] + [module])}")
+        if module in done:
+            return
+        stack.append(module)
+        for dep in sorted(graph[module] - {p for p in PACKAGES}):
+            visit(dep)
+        stack.pop()
+        done.add(module)
+
+    for module in graph:
+        visit(module)
+
+
+def test_torchrec_internals_are_spelled_only_in_sharders_private():
+    offenders = [
+        f"{path.relative_to(ROOT)}: {needle}"
+        for path in sorted((ROOT / "sharders").glob("*.py")) if path.name != "_private.py"
+        for needle in CONFINED if needle in path.read_text()
+    ]
+    assert not offenders, f"TorchRec internals outside sharders/_private.py: {offenders}"
+
+
+
+
+SIZED = {  # table -> (optimizer, kwargs, sharding type): one per kind that keeps state
+    "fused_adagrad": (torch.optim.Adagrad, {"lr": 0.1}, "table_wise"),
+    "fused_rowwise": (RowWiseAdagrad, {"lr": 0.1}, "row_wise"),
+    "lazy_amsgrad": (torch.optim.Adam, {"lr": 0.01, "amsgrad": True}, "table_wise"),
+    "dense_adafactor": (torch.optim.Adafactor, {"lr": 0.01}, "table_wise"),
+    "cross_adafactor": (torch.optim.Adafactor, {"lr": 0.01}, "column_wise"),
+    "dp_adam": (torch.optim.Adam, {"lr": 0.01}, "data_parallel"),
+}
+
+
+def test_state_bytes_per_shard_are_the_bytes_each_kind_holds_after_a_step(world_of_one):
+    names = list(SIZED)
+    model = ManyTableModel(names, dim=8)
+    for name, (cls, kwargs, _) in SIZED.items():
+        apply_optimizer_in_backward(cls, model.ebc.embedding_bags[name].parameters(), kwargs)
+    sharder = sharders.EmbeddingBagCollectionSharder()
+    constraints = {n: ParameterConstraints(sharding_types=[SIZED[n][2]], min_partition=4) for n in names}
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"), constraints=constraints)
+    plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder],
+                                   data_parallel_wrapper=sharders.DataParallelWrapper())
+    loss_of(dmp, covering_batch(names, torch.Generator().manual_seed(0))).backward()
+    tables = sharders.plan_of(dmp.module.ebc).tables
+    assert {n: t.kind.value for n, t in tables.items()} == {
+        "fused_adagrad": "fused", "fused_rowwise": "fused", "lazy_amsgrad": "lazy", "dense_adafactor": "dense",
+        "cross_adafactor": "cross_shard", "dp_adam": "data_parallel"}
+    for name, table in tables.items():
+        if name == "dp_adam":
+            weight = dmp.module.ebc.embedding_bags[name].weight
+            held = [(tuple(weight.shape), weight._in_backward_optimizers[0].state[weight])]
+        else:
+            held = [(tuple(s.metadata.shard_sizes), s.state.state) for s in table.shards]
+        assert held, name
+        for shape, state in held:
+            measured = sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+            measured -= 4 * sum(1 for v in state.values() if isinstance(v, torch.Tensor) and v.dim() == 0) * (
+                name.startswith("fused"))  # the fused step is our count, not FBGEMM's memory
+            assert table.state_bytes(shape) == measured, (name, shape, table.state_bytes(shape), measured)
+            assert measured > 0, name
