@@ -6,6 +6,7 @@ annotated parameter into one keyed, checkpointable optimizer with
 """
 
 from overlap_optim import checkpoint
+from overlap_optim.clipping import GradientClipping, apply_gradient_clipping
 from overlap_optim.annotation import AnnotationGroup, apply_optimizer_in_backward, materialize
 from overlap_optim.ddp import register_optimizer_hook
 from overlap_optim.local_sgd import QSR
@@ -17,6 +18,8 @@ __all__ = [
     "checkpoint",
     "InBackwardOptimizer",
     "apply_optimizer_in_backward",
+    "apply_gradient_clipping",
+    "GradientClipping",
     "describe_optimizer",
     "OptimizerSpec",
     "QSR",

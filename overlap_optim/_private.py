@@ -29,6 +29,7 @@ from torch.utils.hooks import RemovableHandle
 __all__ = [
     "PRIVATE_APIS",
     "queue_end_of_backward",
+    "backward_id",
     "ddp_managed_parameters",
     "skip_ddp_lazy_init",
     "tell_reducer_optimizer_in_backward",
@@ -58,6 +59,15 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
     Call it from inside backward only.
     """
     Variable._execution_engine.queue_callback(callback)
+
+
+def backward_id() -> int:
+    """An id of the running backward pass, different for each; -1 outside backward.
+
+    Private API: ``torch._C._current_graph_task_id``. It tells a callback queued
+    by a backward that raised before its end (so it never ran) from the running one.
+    """
+    return torch._C._current_graph_task_id()
 
 
 # -- DistributedDataParallel --
@@ -190,8 +200,8 @@ def _probe_sharded_tensor() -> ShardedTensor:
 # -- multi-tensor (foreach) kernels --
 
 _FOREACH_OPS = (
-    "abs", "add", "add_", "addcdiv_", "addcmul", "addcmul_", "div", "div_", "lerp_", "maximum_", "mul", "mul_",
-    "neg", "sqrt", "sqrt_",
+    "abs", "add", "add_", "addcdiv_", "addcmul", "addcmul_", "clamp_max_", "clamp_min_", "div", "div_", "lerp_",
+    "maximum_", "mul", "mul_", "neg", "norm", "sqrt", "sqrt_",
 )
 
 
@@ -230,6 +240,7 @@ def _foreach_entry(op: str) -> Callable[[], object]:
 # need torch.distributed initialized (the test makes a world-size-1 gloo group).
 PRIVATE_APIS: dict[str, Callable[[], object]] = {
     "torch.autograd.Variable._execution_engine.queue_callback": lambda: Variable._execution_engine.queue_callback,
+    "torch._C._current_graph_task_id": lambda: torch._C._current_graph_task_id,
     "torch.nn.parallel.DistributedDataParallel._module_parameters": lambda: _probe_ddp()._module_parameters,
     "torch.nn.parallel.DistributedDataParallel._lazy_init_ran": lambda: _probe_ddp()._lazy_init_ran,
     "torch.distributed.Reducer._set_optimizer_in_backward": lambda: dist.Reducer._set_optimizer_in_backward,

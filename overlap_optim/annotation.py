@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from overlap_optim import _private
+from overlap_optim.clipping import GradientClipping, clipping_of, join_clipping
 from overlap_optim.spec import AnnotationGroup, describe_optimizer, needs_closure
-from overlap_optim.update import live_optimizer, step_param
+from overlap_optim.update import live_optimizer, step_when_ready
 
 __all__ = [
     "apply_optimizer_in_backward", "materialize", "record_annotations", "reattach_annotations", "AnnotationGroup",
@@ -108,33 +109,40 @@ def materialize(module: torch.nn.Module, device: torch.device | str) -> torch.nn
     return module
 
 
-Recorded = dict[str, tuple[torch.Tensor, AnnotationGroup]]
+Recorded = dict[str, tuple[torch.Tensor, AnnotationGroup | None, GradientClipping | None]]
 
 
 def record_annotations(module: torch.nn.Module, *, meta_only: bool = False) -> Recorded:
-    """``{fqn: (parameter, its annotation group)}`` of the annotated parameters of ``module``
-    (with ``meta_only``, of those on the meta device), for :func:`reattach_annotations`."""
-    return {
-        name: (param, param._overlap_group)
-        for name, param in module.named_parameters()
-        if getattr(param, "_overlap_group", None) is not None and (param.is_meta or not meta_only)
-    }
+    """``{fqn: (parameter, its annotation group, its clipping set)}`` of the parameters of
+    ``module`` that have either (with ``meta_only``, of those on the meta device), for
+    :func:`reattach_annotations`."""
+    recorded = {}
+    for name, param in module.named_parameters():
+        group, clip = getattr(param, "_overlap_group", None), clipping_of(param)
+        if (group is not None or clip is not None) and (param.is_meta or not meta_only):
+            recorded[name] = (param, group, clip)
+    return recorded
 
 
 def reattach_annotations(module: torch.nn.Module, recorded: Recorded) -> list[str]:
-    """Annotate each parameter now at a recorded FQN as the recorded one was, where something
-    replaced the Parameter object (``Module.to_empty``, TorchRec's ``init_parameters``); the
-    replaced object leaves its group. Returns the FQNs re-annotated."""
+    """Annotate (and clip) each parameter now at a recorded FQN as the recorded one was, where
+    something replaced the Parameter object (``Module.to_empty``, TorchRec's
+    ``init_parameters``); the replaced object leaves its group and set. Returns the FQNs
+    re-annotated."""
     done = []
-    for name, (old, group) in recorded.items():
+    for name, (old, group, clip) in recorded.items():
         try:
             param = module.get_parameter(name)
         except AttributeError:  # the sharder took it (an embedding table)
             continue
-        if param is old or getattr(param, "_overlap_group", None) is not None:
+        if param is old or getattr(param, "_overlap_group", None) is not None or clipping_of(param) is not None:
             continue
-        _remove_hooks(old)
-        _annotate(param, group)
+        if group is not None:
+            _remove_hooks(old)
+            _annotate(param, group)
+        if clip is not None:
+            clip.leave(old)
+            join_clipping(param, clip)
         done.append(name)
     return done
 
@@ -154,7 +162,7 @@ def _annotate(param: torch.Tensor, group: AnnotationGroup) -> None:
     param._overlap_group = group
     group.param_group["params"].append(param)
     live_optimizer(param)
-    handle = param.register_post_accumulate_grad_hook(step_param)
+    handle = param.register_post_accumulate_grad_hook(step_when_ready)
     # The same registry torch uses, so that DDP's lazy init finds and removes it.
     _private.add_in_backward_hook_handle(param, handle)
     # Not in that registry: it outlives DDP's removal, and says what went wrong.

@@ -13,8 +13,10 @@ A hook is two parts, composed by :func:`optimizer_hook`:
   (:mod:`overlap_optim.update`), so every rank applies the update one process
   would on the global batch.
 
-When backward ends (:meth:`OptimizerHookState.release`, run by the state's
-:class:`~overlap_optim.round.EndOfBackwardRound`), the gradients of the stepped
+When backward ends, the state's :class:`~overlap_optim.round.EndOfBackwardRound`
+first waits for every bucket (:meth:`OptimizerHookState.settle`); then clipping
+(:mod:`overlap_optim.clipping`) runs the updates it held for the global norm;
+last (:meth:`OptimizerHookState.release`) the gradients of the stepped
 parameters are set to None; unannotated parameters keep their averaged gradient.
 
 A DDP-managed tensor may stand for several annotated parameters: TorchRec keeps
@@ -29,8 +31,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from overlap_optim.round import EndOfBackwardRound
-from overlap_optim.update import step_params
+from overlap_optim.clipping import GradientClipping
+from overlap_optim.round import EndOfBackwardRound, Phase
+from overlap_optim.update import step_clipped
 
 __all__ = [
     "OptimizerHookState",
@@ -56,10 +59,11 @@ class OptimizerHookState:
         managed: the managed tensors whose gradient is released after backward.
         comm: a key of :data:`REDUCTIONS`: "allreduce", "fp16" or "bf16".
         local_sgd: an :class:`overlap_optim.local_sgd.QSR`, or None.
+        clips: the clipping sets of the managed parameters, armed with every backward.
     """
 
     __slots__ = ("process_group", "world_size", "targets", "managed", "reduction", "local_sgd", "round",
-                 "pending", "running")
+                 "pending", "running", "clips")
 
     def __init__(
         self,
@@ -68,6 +72,7 @@ class OptimizerHookState:
         managed: list[torch.Tensor],
         comm: str = "allreduce",
         local_sgd=None,
+        clips: list[GradientClipping] = (),
     ) -> None:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
@@ -75,21 +80,26 @@ class OptimizerHookState:
         self.managed = managed
         self.reduction = REDUCTIONS[comm]
         self.local_sgd = local_sgd
-        self.round = EndOfBackwardRound(process_group)
+        self.round = EndOfBackwardRound(process_group, Phase.SETTLE)
         self.pending: list[torch.futures.Future] = []  # this backward's stepped buckets
         self.running: Reduction | None = None  # this backward's reduction; None between two
+        self.clips = list(clips)
 
-    def release(self) -> None:
-        """At the end of backward: wait for every bucket's update, then drop the stepped gradients.
+    def settle(self) -> None:
+        """At the end of backward, first: wait for every bucket's reduction and update (or its
+        hand-over to clipping).
 
-        It is deferred at the first bucket, so it runs before DDP's own
-        finalisation (queued at the last), while an update may still be
-        running on the communication thread: it must wait for all of them.
+        An update may still be running on the communication thread (the
+        rounds run once backward's other callbacks, DDP's finalisation among
+        them, have run): it must wait for all of them.
         """
-        local = self.running is local_step_hook
         pending, self.pending = self.pending, []
         for future in pending:
             future.wait()  # also raises what an update raised
+
+    def release(self) -> None:
+        """At the end of backward, last: drop the stepped gradients; local SGD's averaging."""
+        local = self.running is local_step_hook
         for param in self.managed:
             param.grad = None
         self.running = None
@@ -112,8 +122,11 @@ def _start_backward(state: OptimizerHookState) -> Reduction:
     """At the first bucket of a backward: choose its reduction (a local step of local SGD, or the
     state's own), and have :meth:`OptimizerHookState.release` run when it ends."""
     local = state.local_sgd is not None and state.local_sgd.is_local()
+    state.round.before(state.settle)
     state.round.defer(state.release)
     state.round.arm()
+    for clip in state.clips:
+        clip.arm()
     state.running = local_step_hook if local else state.reduction
     return state.running
 
@@ -171,8 +184,9 @@ REDUCTIONS: dict[str, Reduction] = {
 
 
 def step_bucket(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.Tensor:
-    """Give each annotated target its view of the bucket's gradient and step them all; an
-    unannotated parameter keeps its gradient, as under plain DDP. Returns the bucket's buffer."""
+    """Give each annotated target its view of the bucket's gradient and step them all (after
+    clipping, if they are clipped); an unannotated parameter keeps its gradient, as under plain
+    DDP. Returns the bucket's buffer."""
     stepped = []
     for param, grad in zip(bucket.parameters(), bucket.gradients()):
         targets = state.targets.get(id(param))
@@ -181,7 +195,7 @@ def step_bucket(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.Ten
         for target, view in targets or ():
             target.grad = view(grad)
             stepped.append(target)
-    step_params(stepped)
+    step_clipped(stepped, replicated=True)
     return bucket.buffer()
 
 

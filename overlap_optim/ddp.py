@@ -7,6 +7,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlap_optim import _private
 from overlap_optim.annotation import remove_guard
+from overlap_optim.clipping import GradientClipping, clipping_of, mark_taken
 from overlap_optim.comm_hooks import REDUCTIONS, OptimizerHookState, optimizer_hook
 from overlap_optim.local_sgd import QSR, AveragedModel
 
@@ -67,9 +68,28 @@ def register_optimizer_hook(
         )
     if local_sgd is not None:
         _attach_local_sgd(local_sgd, ddp_model, comm, managed)
-    state = OptimizerHookState(ddp_model.process_group, targets, managed, comm, local_sgd)
+    clips = _clips_of(list(_private.ddp_managed_parameters(ddp_model)), local_sgd is not None)
+    state = OptimizerHookState(ddp_model.process_group, targets, managed, comm, local_sgd, clips)
     install_optimizer_hook(ddp_model, state)
+    mark_taken(_private.ddp_managed_parameters(ddp_model), "overlap_optim's DDP hook")
     return state
+
+
+def _clips_of(params: list[torch.Tensor], local: bool) -> list[GradientClipping]:
+    """The clipping sets of DDP's parameters: an unannotated member is averaged here, alike on
+    every rank; under local SGD each set must hold only this DDP's parameters."""
+    clips: dict[int, GradientClipping] = {}
+    for param in params:
+        clip = clipping_of(param)
+        if clip is None:
+            continue
+        clips.setdefault(id(clip), clip)
+        if getattr(param, "_overlap_group", None) is None:
+            clip.mark_replicated(param)
+    if local:
+        for clip in clips.values():
+            clip.make_local(params)
+    return sorted(clips.values(), key=lambda c: c.order)
 
 
 def _attach_local_sgd(sync: QSR, ddp_model: DistributedDataParallel, comm: str, annotated: list) -> None:

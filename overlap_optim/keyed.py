@@ -95,8 +95,25 @@ class InBackwardOptimizer(KeyedOptimizer):
                 self.defaults[name] = self._groups[0].param_group[name]
         self._key_of = {param: key for key, param in params.items()}
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Run ``closure`` if given (its backward performs the updates); else nothing."""
+    # AMP's GradScaler hands itself to step() (``grad_scaler=``) when this is set: the one
+    # place to see it, and refuse it.
+    _step_supports_amp_scaling = True
+
+    def step(self, closure: Callable[[], Any] | None = None, grad_scaler: Any = None) -> Any:
+        """Run ``closure`` if given (its backward performs the updates); else nothing.
+
+        Raises:
+            RuntimeError: called by AMP's ``GradScaler.step``: the updates ran in backward on
+                the scaled gradients.
+        """
+        if grad_scaler is not None or getattr(self, "grad_scale", None) is not None:
+            raise RuntimeError(
+                "GradScaler.step() on in-backward optimizers: the loss was scaled (by "
+                f"{_scale_of(grad_scaler)}), and every annotated update already ran during backward on the "
+                "scaled gradients, before GradScaler could unscale them or skip the step. Do not use GradScaler "
+                "with overlap_optim: train in bfloat16 autocast (no loss scaling needed), or leave the "
+                "parameters that need loss scaling unannotated"
+            )
         if closure is None:
             return None
         with torch.enable_grad():
@@ -217,6 +234,13 @@ class InBackwardOptimizer(KeyedOptimizer):
                 )
             pairs.append((group, saved))
         return pairs
+
+
+def _scale_of(grad_scaler: Any) -> str:
+    try:
+        return f"{float(grad_scaler.get_scale()):g}"
+    except Exception:  # any scaler-like object: the message must not fail
+        return "GradScaler's scale"
 
 
 def get_optimizers(model: torch.nn.Module) -> KeyedOptimizer:

@@ -2,33 +2,46 @@
 
 Most updates run as soon as a gradient is ready. Some cannot: a layer-wise
 table split across ranks needs whole-table statistics that no shard has alone,
-and the DDP hook must wait for every bucket's update before it releases the
-gradients. Such work joins the round of the backward pass it belongs to:
+a clipped gradient needs the global norm of every gradient of its set, and the
+DDP hook must wait for every bucket's update before it releases the gradients.
+Such work joins a round of the backward pass it belongs to:
 
-1. **Contribute.** During backward, a participant hands the round a vector of
-   partial sums for its slot (:meth:`EndOfBackwardRound.contribute`), or only
-   a function to run at the end (:meth:`EndOfBackwardRound.defer`).
-2. **Reduce.** When backward ends, the round sums every slot across the ranks
-   of its process group in **one** ``all_reduce`` of one flat float64 buffer,
-   however many participants there are. A rank that holds nothing for a slot
-   contributes zeros, so every rank runs the same collective.
-3. **Finish.** Each participant finishes its step with the reduced sums of its
-   slot, in the order it contributed; deferred functions run after them.
+1. **Contribute.** During backward, a participant hands a round a vector of
+   partial sums for its slot (:meth:`EndOfBackwardRound.contribute`), and the
+   function that finishes its step once they are reduced.
+2. **Reduce.** When backward ends, the round reduces every slot across the
+   ranks of its process group in **one** ``all_reduce`` of one flat float64
+   buffer (a sum, or a max), however many participants there are. A rank that
+   holds nothing for a slot contributes zeros, so every rank runs the same
+   collective.
+3. **Finish.** Each participant finishes its step with the reduced values of
+   its slot, in the order it contributed.
+
+The rounds armed in one backward run together, when it ends (after the other
+callbacks queued during that backward: DDP's), in the order of
+their :class:`Phase`: first each round's :meth:`~EndOfBackwardRound.before`
+work (the DDP hook waits for its buckets), then clipping (the norm that every
+clipped update waits for), then the statistics of layer-wise tables (computed
+on clipped gradients), and last every :meth:`~EndOfBackwardRound.defer`-red
+function (the DDP hook releases its gradients). A round armed while they run
+(a layer-wise table stepped by clipping's finish contributes to its module's
+round) runs in its phase's turn.
 
 Slots are registered (:meth:`EndOfBackwardRound.register`) in the same order
 and with the same sizes on every rank, before the first backward. A participant
 arms the round from backward (:meth:`EndOfBackwardRound.arm`); every rank must
 arm it in the same backward, which holds when every rank runs some autograd
 node that arms it (each sharded kernel does). A round with no slot runs no
-collective.
+collective; neither does a ``local`` one (its sums are this process's own).
 
-The next features add their work here rather than a mechanism of their own:
-a global gradient norm is one more slot, and a step that accumulates is one
-more participant that does not finish yet.
+If a finish raises, the rest of the rounds of that backward are dropped on
+this rank, and the deferred functions still run; an error that depends only
+on reduced values (a non-finite global norm) is raised on every rank alike.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 
 import torch
@@ -36,20 +49,31 @@ import torch.distributed as dist
 
 from overlap_optim import _private
 
-__all__ = ["EndOfBackwardRound"]
+__all__ = ["EndOfBackwardRound", "Phase", "arm_in_backward"]
 
 Finish = Callable[[torch.Tensor], None]
+
+
+class Phase(enum.IntEnum):
+    """When a round runs among the rounds of one backward (lower first)."""
+
+    SETTLE = 0  # the DDP hook: wait for every bucket's reduction and update
+    CLIP = 1  # gradient clipping: the global norm, then every clipped update
+    STATISTICS = 2  # layer-wise tables split across ranks: whole-table statistics
 
 
 class EndOfBackwardRound:
     """One all-reduce of partial sums at the end of backward, then each participant's finish.
 
     Args:
-        process_group: the group the slots are summed over (None: the default
+        process_group: the group the slots are reduced over (None: the default
             group; a single process reduces nothing).
+        phase: when it runs among the rounds of one backward.
+        op: how slots combine, within a process and across ranks: "sum" or "max".
+        local: reduce nothing across ranks (each process's own sums).
 
     Attributes:
-        rounds: how many rounds ran a collective so far (one per backward at most).
+        rounds: how many rounds reduced slots so far (one per backward at most).
 
     Example:
         >>> round_ = EndOfBackwardRound(pg)
@@ -59,14 +83,21 @@ class EndOfBackwardRound:
         >>> round_.arm()                                       # runs once backward ends
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
-        self.process_group = process_group
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        phase: Phase = Phase.STATISTICS,
+        op: str = "sum",
+        local: bool = False,
+    ) -> None:
+        assert op in _OPS, op
+        self.process_group, self.phase, self.op, self.local = process_group, phase, op, local
         self.slots: dict[str, tuple[int, int]] = {}  # key -> (offset, size)
         self.size = 0
         self.rounds = 0
-        self._contributed: list[tuple[str, torch.Tensor, Finish]] = []
+        self._contributed: list[tuple[str, torch.Tensor, Finish | None]] = []
+        self._before: list[Callable[[], None]] = []
         self._deferred: list[Callable[[], None]] = []
-        self._armed = False
 
     def register(self, key: str, size: int) -> None:
         """Reserve ``size`` floats for ``key``. Call in the same order on every rank."""
@@ -77,57 +108,132 @@ class EndOfBackwardRound:
         self.slots[key] = (self.size, size)
         self.size += size
 
-    def contribute(self, key: str, partials: torch.Tensor, finish: Finish) -> None:
-        """Add ``partials`` to slot ``key``; ``finish(summed)`` runs once the round has reduced it."""
+    def contribute(self, key: str, partials: torch.Tensor, finish: Finish | None = None) -> None:
+        """Add ``partials`` to slot ``key``; ``finish(reduced)`` runs once the round has reduced it.
+        Safe from DDP's communication thread (a list append)."""
         offset, size = self.slots[key]
         assert partials.numel() == size, f"slot {key!r} holds {size} floats, got {partials.numel()}"
         self._contributed.append((key, partials, finish))
 
+    def before(self, work: Callable[[], None]) -> None:
+        """Run ``work()`` when this backward ends, before this round reduces (once per call)."""
+        self._before.append(work)
+
     def defer(self, finish: Callable[[], None]) -> None:
-        """Run ``finish()`` when backward ends, after the participants with slots have finished."""
+        """Run ``finish()`` when this backward ends, after every round of it has finished."""
         self._deferred.append(finish)
 
     def arm_in_backward(self, output: torch.Tensor) -> torch.Tensor:
         """``output`` unchanged, through an identity whose backward arms this round: a rank
         whose backward reaches ``output`` takes part in the round."""
-        return _Arm.apply(output, self)
+        return arm_in_backward(output, [self.arm])
 
     def arm(self) -> None:
-        """From backward: run the round when this backward ends (queued once per backward)."""
-        if not self._armed:
-            _private.queue_end_of_backward(self.run)
-            self._armed = True
+        """From backward: run the round when this backward ends (once per backward)."""
+        _SCHEDULE.arm(self)
 
     @torch.no_grad()
     def run(self) -> None:
-        """Reduce every slot in one all-reduce, then finish each participant."""
+        """Run the ``before`` work, reduce every slot in one all-reduce, then finish each participant."""
+        before, self._before = self._before, []
+        for work in before:
+            work()
         contributed, self._contributed = self._contributed, []
-        deferred, self._deferred = self._deferred, []
-        self._armed = False
-        if self.size:
-            buffer = torch.zeros(self.size, dtype=torch.float64)
-            for key, partials, _ in contributed:
-                offset, size = self.slots[key]
-                buffer[offset : offset + size] += partials.reshape(-1).to(torch.float64)
-            if dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
-                dist.all_reduce(buffer, group=self.process_group)
-            self.rounds += 1
-            for key, _, finish in contributed:
+        if not self.size:
+            return
+        buffer = torch.zeros(self.size, dtype=torch.float64)
+        combine = _OPS[self.op][0]
+        for key, partials, _ in contributed:
+            offset, size = self.slots[key]
+            part = buffer[offset : offset + size]
+            part.copy_(combine(part, partials.reshape(-1).to(torch.float64)))
+        if not self.local and dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
+            dist.all_reduce(buffer, op=_OPS[self.op][1], group=self.process_group)
+        self.rounds += 1
+        for key, _, finish in contributed:
+            if finish is not None:
                 offset, size = self.slots[key]
                 finish(buffer[offset : offset + size])
-        for finish in deferred:
-            finish()
+
+    def discard(self) -> None:
+        """Forget this backward's contributions and work (after an error)."""
+        self._contributed, self._before = [], []
+
+    def take_deferred(self) -> list[Callable[[], None]]:
+        deferred, self._deferred = self._deferred, []
+        return deferred
+
+
+_OPS = {
+    "sum": (torch.add, dist.ReduceOp.SUM),
+    "max": (torch.maximum, dist.ReduceOp.MAX),
+}
+
+
+class _Schedule:
+    """The rounds armed in the running backward: one callback at its end runs them by phase."""
+
+    def __init__(self) -> None:
+        self.armed: list[EndOfBackwardRound] = []
+        self.queued: int | None = None  # the backward whose end runs them
+
+    def arm(self, round_: EndOfBackwardRound) -> None:
+        backward = _private.backward_id()
+        if self.queued is not None and self.queued != backward:  # that backward raised before its end
+            for stale in self.armed:
+                stale.discard()
+                stale.take_deferred()
+            self.armed, self.queued = [], None
+        if not any(r is round_ for r in self.armed):
+            self.armed.append(round_)
+        if self.queued is None:
+            _private.queue_end_of_backward(self._requeue)
+            self.queued = backward
+
+    def _requeue(self) -> None:
+        """Run last: behind the callbacks queued so far, DDP's included. With ``static_graph``
+        (TorchRec's default) DDP all-reduces its first iteration from a callback of its own,
+        queued when backward reaches its output, which may come after the first round was
+        armed; its buckets must be in before clipping reduces the norm."""
+        _private.queue_end_of_backward(self.run)
+
+    def run(self) -> None:
+        ran: list[EndOfBackwardRound] = []
+        try:
+            while self.armed:  # a finish may arm a later phase's round
+                next_ = min(self.armed, key=lambda r: r.phase)  # stable: first armed first
+                self.armed.remove(next_)
+                ran.append(next_)
+                next_.run()
+        finally:
+            for dropped in self.armed:
+                dropped.discard()
+                ran.append(dropped)
+            self.armed, self.queued = [], None
+            for round_ in ran:
+                for finish in round_.take_deferred():
+                    finish()
+
+
+_SCHEDULE = _Schedule()
+
+
+def arm_in_backward(output: torch.Tensor, arms: list[Callable[[], None]]) -> torch.Tensor:
+    """``output`` unchanged, through an identity whose backward calls each of ``arms`` (the
+    ``arm`` of rounds, or of clipping sets): a rank whose backward reaches ``output`` takes part."""
+    return _Arm.apply(output, arms)
 
 
 class _Arm(torch.autograd.Function):
-    """Identity; its backward arms the round."""
+    """Identity; its backward arms."""
 
     @staticmethod
-    def forward(ctx, output, round_):
-        ctx.round = round_
+    def forward(ctx, output, arms):
+        ctx.arms = arms
         return output.view_as(output)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.round.arm()
+        for arm in ctx.arms:
+            arm()
         return grad, None

@@ -1,5 +1,8 @@
 """Every way an annotated parameter is updated, in one place.
 
+- :func:`step_when_ready`: the hook that runs once a parameter's gradient is
+  fully accumulated: :func:`step_param` now, or, in a clipping set
+  (:mod:`overlap_optim.clipping`), once its gradient is clipped.
 - :func:`step_param`: one parameter, its own ``torch.optim`` step with the
   group's current hyperparameters, then the gradient is released.
 - :func:`step_params`: many parameters at once; :func:`step_tables`: the
@@ -22,17 +25,46 @@ from typing import Any, ClassVar
 
 import torch
 
+from overlap_optim.clipping import clipping_of
 from overlap_optim.spec import AnnotationGroup
 from overlap_optim.virtual_groups import VirtualKey, multi_tensor_step, virtual_key
 
 __all__ = [
-    "step_param", "step_params", "step_tables", "live_optimizer", "init_placeholder_state", "load_param_state",
+    "step_when_ready", "step_param", "step_params", "step_clipped", "step_tables", "live_optimizer", "init_placeholder_state", "load_param_state",
     "has_real_state", "drop_placeholder_state",
     "RowOptimizer", "DenseTableOptimizer", "TableOptimizer", "table_optimizer",
 ]
 
 # The one mark on a parameter whose state init_state() made and nothing was loaded over.
 _PLACEHOLDER = "_overlap_placeholder_state"
+
+
+def step_when_ready(param: torch.Tensor) -> None:
+    """The post-accumulate-grad hook of an annotated parameter outside DDP: step it now, or
+    once the set it is clipped with has clipped its gradient."""
+    clip = clipping_of(param)
+    if clip is None:
+        step_param(param)
+        return
+    clip.arm()
+    clip.clip([param.grad], lambda: step_param(param))
+
+
+def step_clipped(params: list[torch.Tensor], *, replicated: bool) -> None:
+    """:func:`step_params` on ``params`` (each with ``.grad`` set), each after its clipping set
+    has clipped its gradient (now, or at the end of backward); ``replicated``: every rank
+    holds these gradients alike (DDP-averaged)."""
+    sets: dict[int, list[torch.Tensor]] = {}
+    for param in params:
+        clip = clipping_of(param)
+        sets.setdefault(-1 if clip is None else id(clip), []).append(param)
+    for key, members in sets.items():
+        if key == -1:
+            step_params(members)
+        else:
+            clipping_of(members[0]).clip(
+                [p.grad for p in members], lambda m=members: step_params(m), replicated=replicated
+            )
 
 
 def step_params(params: list[torch.Tensor]) -> None:

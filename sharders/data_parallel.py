@@ -21,6 +21,7 @@ from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, Dist
 from torchrec.distributed.types import ShardingEnv
 
 from overlap_optim.annotation import reattach_annotations, record_annotations
+from overlap_optim.clipping import join_clipping
 from overlap_optim.comm_hooks import OptimizerHookState
 from overlap_optim.ddp import install_optimizer_hook, register_optimizer_hook
 from overlap_optim.local_sgd import QSR
@@ -45,7 +46,7 @@ class DataParallelTable(TableKernel):
             if not isinstance(lookup, DistributedDataParallel):
                 continue
             targets: dict[int, list] = {}
-            managed = []
+            managed, clips = [], {}
             for kernel in _private.kernels_of_lookup(lookup.module):
                 if context.tables[kernel.config.embedding_tables[0].name].kind is not cls.kind:
                     continue  # unannotated tables keep their averaged gradient for the user; frozen ones have none
@@ -54,9 +55,15 @@ class DataParallelTable(TableKernel):
                 for table, view in _table_views(kernel):
                     weight = context.sharded.embedding_bags[table].weight
                     _attach(weight, context.tables[table].group)
+                    clip = context.tables[table].clip
+                    join_clipping(weight, clip)
+                    if clip is not None:
+                        clips[clip.order] = clip
                     targets.setdefault(id(flat), []).append((weight, view))
             if targets:
-                install_optimizer_hook(lookup, OptimizerHookState(context.process_group, targets, managed))
+                clipped = [clip for _, clip in sorted(clips.items())]
+                state = OptimizerHookState(context.process_group, targets, managed, clips=clipped)
+                install_optimizer_hook(lookup, state)
 
     def state_bytes(self, shard_shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> int:
         """Every rank holds the whole table's state."""

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -57,7 +57,8 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingT
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from overlap_optim import plans
-from overlap_optim.round import EndOfBackwardRound
+from overlap_optim.clipping import mark_taken
+from overlap_optim.round import EndOfBackwardRound, arm_in_backward
 from overlap_optim.spec import AnnotationGroup
 from sharders import _private
 from sharders._private import kernels_of
@@ -126,6 +127,9 @@ class EmbeddingBagCollectionSharder(_TorchRecSharder):
             sharded = super().shard(module, params, env, device, module_fqn)
         for table in tables.values():  # the sharded module holds the tables now
             _leave_group(module.embedding_bags[table.table].weight)
+            if table.clip is not None:
+                table.clip.leave(module.embedding_bags[table.table].weight, table.table)
+        mark_taken(sharded.parameters(), "the EBC sharder")
         context = BuildContext(sharded, env.process_group, device.type, EndOfBackwardRound(env.process_group), tables)
         _build(context)
         install_settings_check(sharded, tables)
@@ -171,8 +175,11 @@ def _build(context: BuildContext) -> None:
         adopt = type(tables[0]).adopt
         assert all(type(t).adopt == adopt for t in tables), f"one TorchRec kernel, several kinds: {tables}"
         adopt(kernel, tables, context)
-    if context.round.slots:
-        _arm_from(model_parallel, context.round)
+    arms = [context.round.arm] if context.round.slots else []
+    clips = {t.clip.order: t.clip for t in context.tables.values() if t.clip is not None and t.clip.by_norm}
+    arms += [clip.arm for _, clip in sorted(clips.items())]  # the same on every rank
+    if arms:
+        _arm_from(model_parallel, arms)
     by_kind: dict[type[TableKernel], list[TableKernel]] = {}
     for table in context.tables.values():
         by_kind.setdefault(type(table), []).append(table)
@@ -180,15 +187,17 @@ def _build(context: BuildContext) -> None:
         cls.install(tables, context)
 
 
-def _arm_from(kernels: list[nn.Module], round_: EndOfBackwardRound) -> None:
-    """Every rank arms the module's round from the backward of each kernel it runs."""
+def _arm_from(kernels: list[nn.Module], arms: list[Callable[[], None]]) -> None:
+    """Every rank arms the module's round, and the clipping sets of its tables, from the backward
+    of each kernel it runs: all take part in the same collectives, tables held or not."""
     if not kernels:
         raise ValueError(
-            "this rank runs no kernel of a module whose split tables use a layer-wise optimizer, so it "
-            "could not take part in their statistics round; give every rank at least one table of that module"
+            "this rank runs no kernel of a module whose split tables use a layer-wise optimizer, or whose tables "
+            "are clipped by norm, so it could not take part in their round; give every rank at least one table "
+            "of that module"
         )
     for kernel in kernels:
-        kernel.register_forward_hook(lambda module, args, output: round_.arm_in_backward(output))
+        kernel.register_forward_hook(lambda module, args, output: arm_in_backward(output, arms))
 
 
 def _with_kernel(sharding: ParameterSharding, table: TableKernel | None) -> ParameterSharding:

@@ -10,6 +10,8 @@ touched row, and runs each table's :class:`~overlap_optim.update.RowOptimizer`
 (lazy: no gradient the size of a table is ever made, the cost follows the
 touched rows), or, for an optimizer that is not row-separable, its
 :class:`~overlap_optim.update.DenseTableOptimizer` (dense: the whole shard steps).
+In a gradient clipping set (:mod:`overlap_optim.clipping`), the summed row
+gradients are clipped first: by value at once, by norm at the end of backward.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torchrec.optim.fused import EmptyFusedOptimizer
 from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from overlap_optim.clipping import GradientClipping
 from overlap_optim.update import DenseTableOptimizer, RowOptimizer, TableOptimizer, step_tables
 from sharders import _private
 from sharders.kernels import BuildContext, KernelKind, LocalShard, TableKernel
@@ -41,7 +44,8 @@ class FallbackTable(TableKernel):
     compute_kernel = "dense"
 
     def batch_key(self) -> Hashable:
-        return ("fallback", self.group.spec.share_key)
+        # One kernel's tables step together: they share a clipping set (or none).
+        return ("fallback", self.group.spec.share_key, None if self.clip is None else self.clip.order)
 
     def make_optimizer(self, weight: torch.Tensor, config: Any, context: BuildContext) -> TableOptimizer:
         """The optimizer of this rank's shard ``weight`` (TorchRec's table ``config`` places it)."""
@@ -51,7 +55,7 @@ class FallbackTable(TableKernel):
     def adopt(cls, kernel: nn.Module, tables: list[TableKernel], context: BuildContext) -> None:
         configs = kernel.config.embedding_tables
         makers = [lambda w, t=t, c=c: t.make_optimizer(w, c, context) for t, c in zip(tables, configs)]
-        fallback = FallbackEmbeddingBag.adopt(kernel, makers)
+        fallback = FallbackEmbeddingBag.adopt(kernel, makers, tables[0].clip)
         for table, config, rows in zip(tables, configs, fallback.row_optimizers):
             table.shards.append(LocalShard(config.local_metadata, rows))
         # TorchRec combined its kernels' fused optimizers before we saw them; add ours,
@@ -116,10 +120,14 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
     """
 
     row_optimizers: list[TableOptimizer]
+    clipping: GradientClipping | None
 
     @classmethod
     def adopt(
-        cls, dense: BatchedDenseEmbeddingBag, tables: list[Callable[[torch.Tensor], TableOptimizer]]
+        cls,
+        dense: BatchedDenseEmbeddingBag,
+        tables: list[Callable[[torch.Tensor], TableOptimizer]],
+        clipping: GradientClipping | None = None,
     ) -> FallbackEmbeddingBag:
         """Turn ``dense`` into a fallback kernel in place and return it.
 
@@ -132,6 +140,7 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
             dense: a kernel built for compute kernel "dense".
             tables: for each table (shard) of the kernel, in order, a function from its weight
                 to its table optimizer.
+            clipping: the gradient clipping set of the kernel's tables, or None.
         """
         assert isinstance(dense, BatchedDenseEmbeddingBag)
         dense.__class__ = cls
@@ -139,6 +148,7 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
         names = [t.name for t in dense.config.embedding_tables]
         params = dict(dense.named_parameters_by_table())
         dense.row_optimizers = [make(w) for make, w in zip(tables, weights)]
+        dense.clipping = clipping
         # The annotation groups' own dicts: an LR schedule reaches the next backward.
         param_groups = list({id(r.group): r.group.param_group for r in dense.row_optimizers}.values())
         dense.fallback_optimizer = FallbackOptimizer(
@@ -172,7 +182,8 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
     def update_rows(
         self, grad_out: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None
     ) -> None:
-        """Sum the gradient of every touched row of every table, then step each table once."""
+        """Sum the gradient of every touched row of every table, then step each table once
+        (after clipping the sums, in a clipping set)."""
         per_table: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for ids, grads, table in self._value_grads(grad_out, indices, offsets, weights):
             per_table.setdefault(table, []).append((ids, grads))
@@ -185,7 +196,10 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
             summed = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype, device=grads.device)
             summed.index_add_(0, inverse, grads)
             updates.append((rows, unique, summed))
-        step_tables(updates)  # one multi-tensor update per virtual group of tables
+        if self.clipping is None:
+            step_tables(updates)  # one multi-tensor update per virtual group of tables
+        else:  # each shard's rows are its own: no rank holds them alike
+            self.clipping.clip([u[2] for u in updates], lambda: step_tables(updates))
 
     def _value_grads(self, grad_out, indices, offsets, weights):
         """Per feature: (row ids, gradient of each looked-up value, table index)."""

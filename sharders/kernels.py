@@ -37,6 +37,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
+from overlap_optim.clipping import GradientClipping
 from overlap_optim.round import EndOfBackwardRound
 from overlap_optim.spec import AnnotationGroup
 
@@ -103,6 +104,7 @@ class TableDecision:
     choice: KernelChoice
     kind: KernelKind
     device_type: str = "cpu"
+    clip: GradientClipping | None = None  # the gradient clipping set the table is in
 
     @property
     def semantics(self) -> str:
@@ -207,6 +209,10 @@ class TableKernel:
     @property
     def semantics(self) -> str:
         return self.decision.semantics
+
+    @property
+    def clip(self) -> GradientClipping | None:
+        return self.decision.clip
 
     @property
     def kernel(self) -> str:

@@ -31,6 +31,7 @@ import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
+from overlap_optim.clipping import GradientClipping, clipping_of
 from overlap_optim.spec import AnnotationGroup, OptimizerSpec, describe_optimizer, needs_closure
 from sharders.cross_shard import cross_shard_class
 from sharders.kernels import COLUMN_SPLITTING, ROW_SPLITTING, KernelChoice, KernelKind, TableDecision
@@ -180,29 +181,49 @@ def decide(
     Raises:
         ValueError: the table is split along an axis its optimizer is not separable by and
             has no cross-shard form; its optimizer needs a closure.
+        NotImplementedError: a table with no annotation is in a gradient clipping set.
     """
     frozen = not weight.requires_grad
     group = None if frozen else annotation_of(weight, table, torch_made)
+    clip = None if frozen else clipping_of(weight)
     cross_shard = False
     if group is None:  # frozen, or TorchRec's dense kernel with the gradient handed back on the weight
         choice = KernelChoice(False, reason="frozen: requires_grad=False" if frozen else "no annotation")
+        _check_unannotated_clip(table, clip)
     else:
-        choice = _choice(table, group, compute_kernel, device_type, pinned, dense)
+        choice = _choice(table, group, compute_kernel, device_type, pinned, dense, clip)
         cross_shard = _check_separable(table, group, sharding_type, shard_offsets)
     spec = None if group is None else group.spec
     kind = kernel_kind(spec, choice, sharding_type, frozen=frozen, cross_shard=cross_shard,
                        dense_requested=table in dense)
-    return TableDecision(table, sharding_type, shape, group, choice, kind, device_type)
+    return TableDecision(table, sharding_type, shape, group, choice, kind, device_type, clip)
+
+
+def _check_unannotated_clip(table: str, clip: GradientClipping | None) -> None:
+    if clip is not None:
+        raise NotImplementedError(
+            f"table {table!r} has no in-backward optimizer and is in a gradient clipping set ({clip!r}): clipping "
+            "a sharded table that your own optimizer steps is not supported; annotate the table, or leave it out "
+            "of the set"
+        )
 
 
 def _choice(
     table: str, group: AnnotationGroup, compute_kernel: str, device_type: str, pinned: frozenset[str],
-    dense: frozenset[str],
+    dense: frozenset[str], clip: GradientClipping | None = None,
 ) -> KernelChoice:
-    """FBGEMM's translation, unless the user or the plan keeps the table out of the fused kernel."""
+    """FBGEMM's translation, unless the user, the plan or gradient clipping keeps the table out
+    of the fused kernel."""
     choice = choose_kernel(
         group.optimizer_class, group.optimizer_kwargs, device_type, table=table, settings=group.hyperparameters()
     )
+    if choice.fused and clip is not None:
+        # FBGEMM updates each row inside its backward, from the output gradient; its only
+        # clipping clamps that output gradient, which is neither clip_grad_norm_ nor
+        # clip_grad_value_ of the row's summed gradient. The fallback sums each touched row's
+        # gradient before its update, and can clip it.
+        how = "by norm" if clip.by_norm else "by value"
+        return KernelChoice(False, reason=f"gradient clipping {how}: FBGEMM's fused backward updates before clipping")
     if choice.fused and table in dense:
         return KernelChoice(False, reason="dense semantics requested (dense_tables)")
     if choice.fused and table in pinned:

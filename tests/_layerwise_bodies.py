@@ -81,12 +81,10 @@ def dense_layerwise(rank, world_size, name, steps=4):
 
 from came_pytorch import CAME  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torchrec.distributed import DistributedModelParallel  # noqa: E402
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology  # noqa: E402
 
 import sharders  # noqa: E402
 from _models import ManyTableModel, covering_batch, loss_of  # noqa: E402
-from _sharded_parity import local_pieces, step_side_by_side, train_and_compare  # noqa: E402
+from _sharded_parity import shard_like_reference, step_side_by_side, train_and_compare  # noqa: E402
 from sharders.describe import kernel_rows  # noqa: E402
 
 SPLITTING = ("row_wise", "column_wise", "table_row_wise", "table_column_wise")
@@ -119,19 +117,7 @@ def _sharded(names, settings, sharding_type, world_size, dense=None, seed=0):
     if dense is not None:
         dense(model.dense, ours=True)
         ref_opts += dense(reference.dense, ours=False)
-    sharder = sharders.EmbeddingBagCollectionSharder()
-    constraints = {n: ParameterConstraints(sharding_types=[sharding_type], min_partition=4) for n in names}
-    plan = EmbeddingShardingPlanner(
-        topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
-        constraints=constraints,
-    ).collective_plan(model, [sharder], dist.group.WORLD)
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder],
-                                   data_parallel_wrapper=sharders.DataParallelWrapper())
-    with torch.no_grad():
-        for name in names:
-            ref = reference.ebc.embedding_bags[name].weight
-            for row, col, piece in local_pieces(dmp, name):
-                piece.copy_(ref[row : row + piece.shape[0], col : col + piece.shape[1]])
+    dmp = shard_like_reference(model, reference, names, dict.fromkeys(names, sharding_type), world_size)
     return dmp, reference, ref_opts
 
 

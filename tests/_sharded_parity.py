@@ -58,6 +58,25 @@ def build(names, settings, sharding_type, world_size, sharder=None, dense=None, 
     return dmp, reference, ref_opts
 
 
+def shard_like_reference(model, reference, names, types, world_size, sharder=None):
+    """``model`` under DMP (our sharder, ``types``: table -> sharding type, our DataParallelWrapper),
+    its table pieces set from the unsharded ``reference``'s weights."""
+    sharder = sharder or sharders.EmbeddingBagCollectionSharder()
+    constraints = {n: ParameterConstraints(sharding_types=[types[n]], min_partition=4) for n in names}
+    plan = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
+        constraints=constraints,
+    ).collective_plan(model, [sharder], dist.group.WORLD)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder],
+                                   data_parallel_wrapper=sharders.DataParallelWrapper())
+    with torch.no_grad():  # sharding re-initialises tables
+        for name in names:
+            ref = reference.ebc.embedding_bags[name].weight
+            for row, col, piece in local_pieces(dmp, name):
+                piece.copy_(ref[row : row + piece.shape[0], col : col + piece.shape[1]])
+    return dmp
+
+
 def local_pieces(dmp, name):
     """[(row offset, col offset, local tensor)] of table ``name`` held by this rank."""
     value = dmp.state_dict()[f"ebc.embedding_bags.{name}.weight"]

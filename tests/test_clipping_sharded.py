@@ -1,0 +1,68 @@
+"""Gradient clipping on 2 ranks (gloo) against one process on the global batch.
+
+One DMP model holds every kind of kernel (see ``_clipping_bodies``): fused Adagrad (which
+clipping moves to the fallback), fallback Adam (lazy) and RMSprop (dense), cross-shard Adafactor, a data-parallel table,
+the MLP under the DDP hook, and an unannotated layer for a user optimizer. Each case clips by
+norm 2, norm inf or value, over everything, the dense part or the tables, with a bound at 0.3x
+the first step's norm; the body compares every weight (2e-5) and ``total_norm`` (1e-5
+relative) with torch's ``clip_grad_norm_`` / ``clip_grad_value_`` after every step.
+
+Mutations: dropping the norm's all-reduce (each rank's norm from its own shards), and counting
+the DDP-averaged gradients on every rank, must each be caught by the same comparison.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+
+from _clipping_bodies import clipped_training, declared_after_sharding
+from overlap_optim.testing import run_cases, selected_cases
+
+HOWS = {"norm2": {"how": "norm"}, "norm_inf": {"how": "norm", "norm_type": float("inf")}, "value": {"how": "value"}}
+OVERS = ("everything", "dense", "tables")
+CASES = {
+    **{f"{h}-{o}": partial(clipped_training, over=o, **kw) for h, kw in HOWS.items() for o in OVERS},
+    "partial_batches": partial(clipped_training, over="everything", how="norm", cover=False),
+    "mutant_no_all_reduce": partial(clipped_training, over="everything", how="norm", mutate="no_all_reduce"),
+    "mutant_replicated_twice": partial(clipped_training, over="everything", how="norm", mutate="replicated_twice"),
+    "declared_after_sharding": declared_after_sharding,
+}
+EXACT = [c for c in CASES if c.startswith(("norm", "value", "partial"))]
+
+
+@pytest.fixture(scope="module")
+def ranks(request):
+    return run_cases(CASES, selected_cases(request, CASES), timeout=400)
+
+
+@pytest.mark.parametrize("case", EXACT)
+def test_clipped_training_equals_torch_clipping_on_the_global_batch(ranks, case):
+    for result in ranks[case]:  # the body compared weights and the norm after every step
+        still = [n for n, moved in result["moved"].items() if moved < 1e-3]
+        assert not still, f"the reference did not move {still}"
+        if result["norms"]:
+            assert result["bound"] < result["norms"][0][0], "the bound must clip"
+
+
+def test_clipping_over_the_tables_moves_fused_tables_to_the_fallback(ranks):
+    tables, dense = ranks["norm2-tables"][0]["kinds"], ranks["norm2-dense"][0]["kinds"]
+    assert tables["fused"] == "lazy" and dense["fused"] == "fused"
+    assert tables["factor"] == "cross_shard" and tables["dp"] == "data_parallel" and tables["dense"] == "dense"
+
+
+def test_partial_batches_clip_the_coalesced_gradient(ranks):
+    """Lazy tables: untouched rows count as zero in the norm; the reference is SparseAdam."""
+    assert ranks["partial_batches"][0]["kinds"]["adam"] == "lazy"
+
+
+@pytest.mark.parametrize("case", ["mutant_no_all_reduce", "mutant_replicated_twice"])
+def test_a_wrong_norm_is_caught(ranks, case):
+    for result in ranks[case]:
+        assert result["worst_norm"] > 1e-2 and result["worst_weight"] > 1e-3, result
+
+
+def test_clipping_declared_on_a_dmps_parameters_is_a_clear_error(ranks):
+    for message in ranks["declared_after_sharding"]:
+        assert "is already run by" in message and "declare gradient clipping on the unsharded model" in message, message
