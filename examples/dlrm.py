@@ -18,7 +18,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from overlap_optim import apply_optimizer_in_backward
 
-__all__ = ["build", "annotate", "reference_optimizers", "warmup_then_decay", "OPTIMIZERS"]
+__all__ = ["build", "annotate", "dense_parameters", "reference_optimizers", "warmup_then_decay", "OPTIMIZERS"]
 
 DIM = 16
 
@@ -43,10 +43,15 @@ def build(sizes: dict[str, int], dense_in: int, seed: int = 0, device: str | tor
                           over_arch_layer_sizes=[64, 32, 1], dense_device=torch.device(device)))
 
 
+def dense_parameters(model: DLRMTrain) -> list[torch.nn.Parameter]:
+    """The parameters of the MLPs (bottom and top): the dense part, every one but the tables'."""
+    return [*model.model.dense_arch.parameters(), *model.model.over_arch.parameters()]
+
+
 def _parts(model: DLRMTrain, parts: dict[str, list[str]]) -> dict[str, list[torch.nn.Parameter]]:
     bags = model.model.sparse_arch.embedding_bag_collection.embedding_bags
     out = {part: [bags[f"t_{f}"].weight for f in features] for part, features in parts.items()}
-    out["dense"] = [*model.model.dense_arch.parameters(), *model.model.over_arch.parameters()]
+    out["dense"] = dense_parameters(model)
     return out
 
 

@@ -8,6 +8,13 @@ Run as above, it fetches the data (see examples/movielens_data.py), launches
 this one process with plain torch.optim (same settings, same data order) as the
 baseline, plots both into ``<out>/curves.png`` and compares their test AUC.
 
+Both runs clip the gradients of the MLPs (the dense part; not the tables) to a
+global 2-norm of ``MAX_NORM``: the ranks with ``overlap_optim.apply_gradient_clipping``,
+declared on the unsharded model, so every in-backward update of the MLPs uses the
+clipped gradient; the baseline with ``torch.nn.utils.clip_grad_norm_`` after
+``backward()``. The progress bars show that norm (before clipping), and
+``<out>/grad_norm.png`` plots it step by step for both runs.
+
 Each rank shards the model with ``sharders.EmbeddingBagCollectionSharder`` and
 ``sharders.DataParallelWrapper`` under ``DistributedModelParallel``, trains with
 TorchRec's ``TrainPipelineSparseDist``, and drives the LR schedule through
@@ -54,6 +61,7 @@ PARTS = {"ids": ["user", "item"], "categorical": ["age", "gender", "occupation",
 # Each part where it shows a different path: fused row-wise, fused table-wise, the fallback.
 SHARDING = {"ids": "row_wise", "categorical": "table_wise", "bag": "table_wise"}
 QUALITY_BAR = 0.005  # |test AUC - baseline test AUC|
+MAX_NORM = 1.0  # both runs clip the MLPs' gradients to this global 2-norm (torch's usual value)
 # Local SGD (QSR) on the dense part, against the synchronous 2-rank run:
 QSR_AUC_BAR = 0.003  # |test AUC - synchronous test AUC|
 QSR_BYTES_BAR = 4.0  # at least this many times fewer dense all-reduce bytes
@@ -147,8 +155,10 @@ class AllReduceCounter:
 
     Switched on only around the training steps (and the averagings before an
     evaluation), it sees the dense part's collectives: the DDP hook's bucket
-    all-reduces on synchronous steps and the local-SGD averagings. TorchRec's
-    sparse collectives are all-to-alls, not all-reduces.
+    all-reduces on synchronous steps, the local-SGD averagings, and, on
+    synchronous runs, the one all-reduce per step of the MLPs' clipping norm (8
+    bytes; with local SGD each rank clips by its own norm, with no collective).
+    TorchRec's sparse collectives are all-to-alls, not all-reduces.
     """
 
     def __init__(self) -> None:
@@ -194,6 +204,8 @@ def run_rank(args: argparse.Namespace) -> None:
     model = dlrm.build(data.sizes, len(movielens_data.DENSE))
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     dlrm.annotate(model, PARTS)
+    # on the unsharded model, before DMP wraps it (as the annotations): DDP's hook clips the MLPs
+    clip = overlap_optim.apply_gradient_clipping(dlrm.dense_parameters(model), max_norm=MAX_NORM)
     sharder = sharders.EmbeddingBagCollectionSharder()
     topology = Topology(world_size=world, compute_device="cpu", local_world_size=world)
     constraints = {f"t_{f}": ParameterConstraints(sharding_types=[SHARDING[part]]) for part, fs in PARTS.items() for f in fs}
@@ -223,7 +235,7 @@ def run_rank(args: argparse.Namespace) -> None:
     for epoch in range(start, args.epochs):
         batches = global_batches(data, "train", epoch, args.batch_size * world, shuffle=True)
         local = (data.batch(b[rank * args.batch_size : (rank + 1) * args.batch_size]) for b in batches)
-        losses, lrs, periods, averaged = [], [], [], []
+        losses, norms, lrs, periods, averaged = [], [], [], [], []
         calls, sent = counter.calls, counter.bytes
         bar = tqdm(total=len(batches), desc=f"epoch {epoch + 1}/{args.epochs}", disable=rank != 0, leave=False)
         pipeline.reset()
@@ -236,10 +248,12 @@ def run_rank(args: argparse.Namespace) -> None:
                 break
             scheduler.step()
             losses.append(float(loss.detach().mean()))
+            norms.append(float(clip.total_norm))  # the MLPs' global norm before clipping, set by this backward
             if sync is not None:
                 lrs.append(dense_lr * schedule(step))
                 periods.append(sync.period if step >= sync.warmup_steps else 1)
                 averaged.append(step >= sync.warmup_steps and counter.calls > before)
+            bar.set_postfix(grad_norm=f"{norms[-1]:.3f}", refresh=False)
             bar.update()
         bar.close()
         pipeline.detach()
@@ -252,7 +266,7 @@ def run_rank(args: argparse.Namespace) -> None:
         dist.all_reduce(train_loss)
         val = _evaluate(model, data, "val", args, rank, world)
         history.append({"epoch": epoch + 1, "train_loss": float(train_loss) / world, "val_auc": val["auc"],
-                        "val_logloss": val["logloss"], "steps": len(losses),
+                        "val_logloss": val["logloss"], "steps": len(losses), "grad_norm": norms,
                         "dense_all_reduces": counter.calls - calls, "dense_all_reduce_bytes": counter.bytes - sent})
         if sync is not None:
             history[-1].update(lr=lrs, period=periods, averaged=averaged)
@@ -278,6 +292,7 @@ def run_baseline(args: argparse.Namespace) -> dict:
     data = movielens_data.load(args.data_dir, limit=args.limit)
     model = dlrm.build(data.sizes, len(movielens_data.DENSE))
     optimizers = dlrm.reference_optimizers(model, PARTS)
+    mlps = dlrm.dense_parameters(model)
     global_size = args.batch_size * args.world_size
     steps = len(global_batches(data, "train", 0, global_size, shuffle=True))
     schedule = dlrm.warmup_then_decay(steps * args.epochs)
@@ -292,19 +307,23 @@ def run_baseline(args: argparse.Namespace) -> dict:
 
     history = []
     for epoch in range(args.epochs):
-        losses = []
-        for index in tqdm(global_batches(data, "train", epoch, global_size, shuffle=True),
-                          desc=f"baseline epoch {epoch + 1}/{args.epochs}", leave=False):
+        losses, norms = [], []
+        bar = tqdm(global_batches(data, "train", epoch, global_size, shuffle=True),
+                   desc=f"baseline epoch {epoch + 1}/{args.epochs}", leave=False)
+        for index in bar:
             loss, _ = model(data.batch(index))
             loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(mlps, MAX_NORM)))
             for opt, sched in zip(optimizers, schedulers):
                 opt.step()
                 opt.zero_grad()
                 sched.step()
             losses.append(loss.item())
+            bar.set_postfix(grad_norm=f"{norms[-1]:.3f}", refresh=False)
         val = evaluate("val")
         history.append({"epoch": epoch + 1, "train_loss": sum(losses) / max(1, len(losses)),
-                        "val_auc": val["auc"], "val_logloss": val["logloss"]})
+                        "val_auc": val["auc"], "val_logloss": val["logloss"], "steps": len(losses),
+                        "grad_norm": norms})
     return {"history": history, "test": evaluate("test")}
 
 
@@ -337,6 +356,42 @@ def plot(ours: dict, baseline: dict | None, path: Path, qsr: dict | None = None)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _norms(run: dict) -> list[float]:
+    """The MLPs' gradient norm (before clipping) of a run, step by step."""
+    return [n for h in run["history"] for n in h.get("grad_norm", [])]
+
+
+def plot_grad_norm(ours: dict, baseline: dict | None, path: Path, qsr: dict | None = None) -> None:
+    """The MLPs' global gradient norm (before clipping to MAX_NORM) per step, for each run."""
+    plt = _pyplot()
+    fig, axis = plt.subplots(figsize=(10, 4))
+    runs = [("ours (2 ranks, in-backward; rank 0)", ours, "-")]
+    if baseline is not None:
+        runs.append(("baseline (1 process, torch.optim)", baseline, "--"))
+    if qsr is not None:
+        runs.append(("ours, local SGD (QSR): rank 0's own norm", qsr, ":"))
+    for label, run, style in runs:
+        norms = _norms(run)
+        axis.plot(range(len(norms)), norms, style, linewidth=0.9, label=label)
+    axis.axhline(MAX_NORM, color="gray", linewidth=0.8, label=f"max_norm = {MAX_NORM:g} (clipped above)")
+    done = 0
+    for h in ours["history"][:-1]:
+        done += h.get("steps", 0)
+        axis.axvline(done, color="gray", linestyle=":", linewidth=0.8)
+    axis.set(title="gradient norm of the MLPs before clipping (dotted: epoch ends)", xlabel="step",
+             ylabel="global 2-norm", yscale="log")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _clipped(run: dict) -> str:
+    norms = _norms(run)
+    return f"clipped on {sum(n > MAX_NORM for n in norms)} of {len(norms)} steps"
 
 
 def _trace(run: dict) -> tuple[list[float], list[int], list[bool]]:
@@ -445,7 +500,10 @@ def main(argv: list[str] | None = None) -> int:
     qsr = json.loads((args.out / "qsr.json").read_text()) if args.local_sgd == "qsr" else None
     baseline = None if args.no_baseline else run_baseline(args)
     plot(ours, baseline, args.out / "curves.png", qsr)
-    print(f"\ntest AUC {ours['test']['auc']:.4f} (log-loss {ours['test']['logloss']:.4f})")
+    plot_grad_norm(ours, baseline, args.out / "grad_norm.png", qsr)
+    print(f"\ngradient norm of the MLPs (max_norm {MAX_NORM:g}): ours {_clipped(ours)}"
+          + ("" if baseline is None else f", baseline {_clipped(baseline)}") + f"; plot: {args.out / 'grad_norm.png'}")
+    print(f"test AUC {ours['test']['auc']:.4f} (log-loss {ours['test']['logloss']:.4f})")
     ok = True
     if baseline is None:
         print(f"curves: {args.out / 'curves.png'}")
