@@ -108,6 +108,7 @@ class GradientClipping:
         if max_norm is not None:  # by value, the round only clips the unannotated members: no slot, no collective
             self.round.register("norm", 1)
         self._held: list[tuple[list[torch.Tensor], Callable[[], None]]] = []
+        self._coefficient = torch.ones(())
         self._armed_in: int | None = None
 
     # -- settings --
@@ -175,6 +176,16 @@ class GradientClipping:
         self.round.contribute("norm", self._partial(counted))
         self._held.append((grads, then))
 
+    def hold(self, partial: torch.Tensor, then: Callable[[torch.Tensor], None]) -> None:
+        """For a participant that holds no gradient tensor to scale (a fused table, whose
+        gradient FBGEMM forms inside its update): add its own ``partial`` (``sum |g|^p``, or
+        ``max |g|`` for inf, of this rank's gradient, one float64 element) to the norm, and
+        run ``then(coefficient)`` at the end of backward, where ``coefficient`` is the 0-d
+        float32 factor every gradient of the set is multiplied by. Clipping by norm only."""
+        assert self.by_norm, "hold() serves clipping by norm"
+        self.round.contribute("norm", partial.reshape(1).to(torch.float64))
+        self._held.append(([], lambda: then(self._coefficient)))
+
     def _counts_on_this_rank(self, replicated: bool) -> bool:
         """Whether this rank adds such gradients to the norm: a gradient every rank holds alike
         is added once, by rank 0; a rank's own (a shard's rows, a local replica's) always."""
@@ -218,6 +229,7 @@ class GradientClipping:
                 "so they cannot be clipped (error_if_nonfinite=True); no update of the set ran this step"
             )
         coefficient = torch.clamp(self._max_norm / (total_norm + 1e-6), max=1.0)
+        self._coefficient = coefficient
         for grads, then in held:
             if grads:
                 _private.foreach.mul_(grads, coefficient.to(grads[0].dtype))

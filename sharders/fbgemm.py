@@ -11,7 +11,9 @@ annotation group while it trains:
   non-float setting) is refused there, naming the table and the setting;
 - FBGEMM keeps no step count for Adagrad: each fused kernel counts the backward
   passes that reached it, which is torch.optim's ``step``;
-- :data:`FUSED_ROW_STATE` names FBGEMM's per-row state as torch.optim does.
+- :data:`FUSED_ROW_STATE` names FBGEMM's per-row state as torch.optim does;
+- in a gradient clipping set by norm, FBGEMM's backward waits for the norm
+  (:mod:`sharders.fused_clipping`).
 
 TorchRec applies a fused kernel's LR only in ``fused_optimizer.step()``, after
 backward: a schedule would reach the kernel one step late. Kernels are called
@@ -29,6 +31,7 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 
 from overlap_optim.spec import AnnotationGroup
+from sharders.fused_clipping import HeldBackward
 from sharders.kernels import BuildContext, KernelChoice, KernelKind, LocalShard, TableKernel
 from sharders.optimizer_table import choose_kernel
 
@@ -49,15 +52,19 @@ class FusedTable(TableKernel):
     compute_kernel = "fused"
 
     def batch_key(self) -> Hashable:
-        # A fused TBE has one learning rate: one kernel per annotation group (its LR schedule).
-        return (self.kind, id(self.group))
+        # A fused TBE has one learning rate: one kernel per annotation group (its LR schedule),
+        # and one clipping set.
+        return (self.kind, id(self.group), None if self.clip is None else self.clip.order)
 
     def fbgemm_kwargs(self) -> dict[str, Any]:
         return dict(self.decision.choice.fbgemm_kwargs)
 
     @classmethod
     def adopt(cls, kernel: nn.Module, tables: list[TableKernel], context: BuildContext) -> None:
-        fused = _FusedKernel(kernel, [t.table for t in tables], tables[0].group, context.device_type)
+        names = [t.table for t in tables]
+        fused = _FusedKernel(kernel, names, tables[0].group, context.device_type)
+        if tables[0].clip is not None:
+            HeldBackward(kernel.emb_module, tables[0].clip, names)
         for index, (table, config) in enumerate(zip(tables, kernel.config.embedding_tables)):
             table.shards.append(LocalShard(config.local_metadata, FusedShardState(fused, index, table.state_layout())))
 

@@ -217,13 +217,13 @@ def _choice(
     choice = choose_kernel(
         group.optimizer_class, group.optimizer_kwargs, device_type, table=table, settings=group.hyperparameters()
     )
-    if choice.fused and clip is not None:
-        # FBGEMM updates each row inside its backward, from the output gradient; its only
-        # clipping clamps that output gradient, which is neither clip_grad_norm_ nor
-        # clip_grad_value_ of the row's summed gradient. The fallback sums each touched row's
-        # gradient before its update, and can clip it.
-        how = "by norm" if clip.by_norm else "by value"
-        return KernelChoice(False, reason=f"gradient clipping {how}: FBGEMM's fused backward updates before clipping")
+    if choice.fused and clip is not None and not clip.by_norm:
+        # FBGEMM's only clipping clamps the pooled output gradient, not each element of a row's
+        # summed gradient, and clamping is not linear in the output gradient. Clipping by norm
+        # stays fused: sharders.fused_clipping holds FBGEMM's backward for the coefficient.
+        return KernelChoice(
+            False, reason="gradient clipping by value: FBGEMM cannot clamp a row's summed gradient before its update"
+        )
     if choice.fused and table in dense:
         return KernelChoice(False, reason="dense semantics requested (dense_tables)")
     if choice.fused and table in pinned:

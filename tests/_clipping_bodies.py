@@ -1,6 +1,6 @@
 """Rank bodies for the gradient clipping tests (spawned; not collected by pytest).
 
-One model holds every kind of kernel: a table FBGEMM fuses (Adagrad, table-wise), a lazy fallback
+One model holds every kind of kernel: two tables FBGEMM fuses (Adagrad row-wise, SGD column-wise), a lazy fallback
 table (Adam, row-wise), a dense fallback table (RMSprop, column-wise), a cross-shard table (Adafactor, row-wise), a data-parallel table (Adam,
 in the DDP hook), and the MLP: its first layer annotated (Adam, DDP hook), its last one left to a
 user SGD. The reference is one process on the global batch: backward, then torch's
@@ -19,16 +19,17 @@ import sharders
 from _models import ManyTableModel, concat_batches, covering_batch, loss_of
 from _sharded_parity import compare, local_pieces, shard_like_reference
 
-NAMES = ["fused", "adam", "dense", "factor", "dp"]
+NAMES = ["fused", "sgd", "adam", "dense", "factor", "dp"]
 SETTINGS = {
     "fused": (torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-8}),
+    "sgd": (torch.optim.SGD, {"lr": 0.1}),  # fused EXACT_SGD on column shards
     # eps=1e-12: SparseAdam, the lazy reference, places eps outside the bias correction (see test_lazy_reference)
     "adam": (torch.optim.Adam, {"lr": 0.05, "eps": 1e-12}),
     "dense": (torch.optim.RMSprop, {"lr": 0.01}),  # dense_tables: every row steps
     "factor": (torch.optim.Adafactor, {"lr": 0.05}),
     "dp": (torch.optim.Adam, {"lr": 0.05}),
 }
-SHARDING = {"fused": "table_wise", "adam": "row_wise", "dense": "column_wise", "factor": "row_wise",
+SHARDING = {"fused": "row_wise", "sgd": "column_wise", "adam": "row_wise", "dense": "column_wise", "factor": "row_wise",
             "dp": "data_parallel"}
 DENSE = (torch.optim.Adam, {"lr": 0.02})
 BINDING = 0.3  # the bound, as a fraction of the first step's norm (or largest element)

@@ -31,7 +31,8 @@ def test_quick_benchmarks_write_report_and_json(tmp_path):
     assert {"sparse fused", "sparse fallback", "sparse clipped", "dense ours (batch 16)", "dense ours_clipped (batch 16)",
             "dense ddp_clip (batch 16)"} <= set(clipping["timings"])
     assert set(clipping["peak_rss_kib"]) == {"ours_clipped", "ddp_clip"}
-    assert clipping["setup"]["sparse"]["kernels"] == {"fused": ["fused"], "fallback": ["lazy"], "clipped": ["lazy"]}
+    assert clipping["setup"]["sparse"]["kernels"] == {
+        "fused": ["fused"], "fallback": ["lazy"], "clipped": ["fused"], "clipped_fallback": ["lazy"]}
     assert all(bound["binds"] for bound in clipping["setup"]["bounds"].values()), "the bound must clip"
     limit = results["benchmarks"]["limit"]
     assert limit["limit"]["triad_gb_s"] > 0 and len(limit["achieved"]) == 3

@@ -1,7 +1,7 @@
 """Gradient clipping on 2 ranks (gloo) against one process on the global batch.
 
-One DMP model holds every kind of kernel (see ``_clipping_bodies``): fused Adagrad (which
-clipping moves to the fallback), fallback Adam (lazy) and RMSprop (dense), cross-shard Adafactor, a data-parallel table,
+One DMP model holds every kind of kernel (see ``_clipping_bodies``): fused Adagrad and SGD (which
+stay fused when clipped by norm, and move to the fallback when clipped by value), fallback Adam (lazy) and RMSprop (dense), cross-shard Adafactor, a data-parallel table,
 the MLP under the DDP hook, and an unannotated layer for a user optimizer. Each case clips by
 norm 2, norm inf or value, over everything, the dense part or the tables, with a bound at 0.3x
 the first step's norm; the body compares every weight (2e-5) and ``total_norm`` (1e-5
@@ -46,9 +46,10 @@ def test_clipped_training_equals_torch_clipping_on_the_global_batch(ranks, case)
             assert result["bound"] < result["norms"][0][0], "the bound must clip"
 
 
-def test_clipping_over_the_tables_moves_fused_tables_to_the_fallback(ranks):
-    tables, dense = ranks["norm2-tables"][0]["kinds"], ranks["norm2-dense"][0]["kinds"]
-    assert tables["fused"] == "lazy" and dense["fused"] == "fused"
+def test_fused_tables_stay_fused_when_clipped_by_norm_and_move_when_clipped_by_value(ranks):
+    tables, value = ranks["norm2-tables"][0]["kinds"], ranks["value-tables"][0]["kinds"]
+    assert tables["fused"] == tables["sgd"] == "fused" and ranks["norm_inf-tables"][0]["kinds"]["fused"] == "fused"
+    assert value["fused"] == value["sgd"] == "lazy" and ranks["value-dense"][0]["kinds"]["fused"] == "fused"
     assert tables["factor"] == "cross_shard" and tables["dp"] == "data_parallel" and tables["dense"] == "dense"
 
 
