@@ -6,6 +6,7 @@ annotated parameter into one keyed, checkpointable optimizer with
 """
 
 from overlap_optim import checkpoint
+from overlap_optim.accumulation import no_step
 from overlap_optim.clipping import GradientClipping, apply_gradient_clipping
 from overlap_optim.annotation import AnnotationGroup, apply_optimizer_in_backward, materialize
 from overlap_optim.ddp import register_optimizer_hook
@@ -25,6 +26,7 @@ __all__ = [
     "QSR",
     "get_optimizers",
     "materialize",
+    "no_step",
     "register_optimizer_hook",
     "unoptimized_parameters",
 ]

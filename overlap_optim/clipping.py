@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from overlap_optim import _private
+from overlap_optim.accumulation import accumulating
 from overlap_optim.round import EndOfBackwardRound, Phase
 
 __all__ = ["GradientClipping", "apply_gradient_clipping", "clipping_of", "mark_taken", "join_clipping"]
@@ -249,7 +250,7 @@ class GradientClipping:
             self.params.append(param)
         if getattr(param, "_overlap_group", None) is None and param.requires_grad:
             # Unannotated: nothing steps it in backward; this hook only arms the round.
-            param.register_post_accumulate_grad_hook(lambda _p: self.arm())
+            param.register_post_accumulate_grad_hook(lambda p: None if accumulating(p) else self.arm())
 
     def leave(self, param: torch.Tensor, table: str | None = None) -> None:
         """``param`` stops being a member here (a sharder took it as ``table``)."""

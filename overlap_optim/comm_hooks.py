@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from overlap_optim.clipping import GradientClipping
 from overlap_optim.round import EndOfBackwardRound, Phase
+from overlap_optim.accumulation import accumulating
 from overlap_optim.update import step_clipped
 
 __all__ = [
@@ -112,6 +113,12 @@ Reduction = Callable[[OptimizerHookState, dist.GradBucket], torch.futures.Future
 
 def optimizer_hook(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Reduce the bucket with this backward's reduction, then step the annotated parameters in it."""
+    if any(accumulating(p) for p in bucket.parameters()):
+        # Under no_step, DDP's no_sync keeps the reducer, and so this hook, out of the backward.
+        raise RuntimeError(
+            "no_step: this micro-batch's forward ran outside overlap_optim.no_step(model), so DDP prepared its "
+            "all-reduce at that forward; run the micro-batch's forward inside the block too"
+        )
     reduction = state.running or _start_backward(state)
     stepped = reduction(state, bucket).then(lambda _: step_bucket(state, bucket))
     state.pending.append(stepped)

@@ -19,6 +19,7 @@ from torchrec.distributed.types import ShardedModule
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
 from overlap_optim import _state_schema, plans
+from overlap_optim.accumulation import StepTracker, track_steps
 from overlap_optim.spec import AnnotationGroup
 from overlap_optim.update import (
     drop_placeholder_state,
@@ -94,6 +95,7 @@ class InBackwardOptimizer(KeyedOptimizer):
             if self._groups and all(name in g.param_group for g in self._groups):
                 self.defaults[name] = self._groups[0].param_group[name]
         self._key_of = {param: key for key, param in params.items()}
+        self._tracker: StepTracker | None = None  # get_optimizers sets the model's
 
     # AMP's GradScaler hands itself to step() (``grad_scaler=``) when this is set: the one
     # place to see it, and refuse it.
@@ -114,6 +116,8 @@ class InBackwardOptimizer(KeyedOptimizer):
                 "with overlap_optim: train in bfloat16 autocast (no loss scaling needed), or leave the "
                 "parameters that need loss scaling unannotated"
             )
+        if self._tracker is not None:
+            self._tracker.stepped()
         if closure is None:
             return None
         with torch.enable_grad():
@@ -281,6 +285,7 @@ def get_optimizers(model: torch.nn.Module) -> KeyedOptimizer:
             stacklevel=2,
         )
     in_backward = InBackwardOptimizer(annotated, tables)
+    in_backward._tracker = track_steps(model)
     if not foreign:
         return in_backward
     # Modules sharded by another sharder keep TorchRec's plan-dependent keys.

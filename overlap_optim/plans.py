@@ -41,6 +41,11 @@ class ModulePlan(Protocol):
     @property
     def state(self) -> TableStates: ...
 
+    def accumulate(self, active: bool) -> None:
+        """Enter (True) or leave (False) ``overlap_optim.no_step``: while active, no table of the
+        module updates in backward; the first backward after leaving updates each once, from
+        the gradients summed since. Raises, naming the tables, for tables it cannot do so."""
+
 
 def install_plan(module: torch.nn.Module, plan: ModulePlan) -> None:
     """Install ``plan`` on the sharded ``module``; once."""

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from overlap_optim.accumulation import accumulating
 from overlap_optim.clipping import clipping_of
 from overlap_optim.spec import AnnotationGroup
 from overlap_optim.virtual_groups import VirtualKey, multi_tensor_step, virtual_key
@@ -41,7 +42,10 @@ _PLACEHOLDER = "_overlap_placeholder_state"
 
 def step_when_ready(param: torch.Tensor) -> None:
     """The post-accumulate-grad hook of an annotated parameter outside DDP: step it now, or
-    once the set it is clipped with has clipped its gradient."""
+    once the set it is clipped with has clipped its gradient; inside ``no_step``, nothing (its
+    gradient accumulates)."""
+    if accumulating(param):
+        return
     clip = clipping_of(param)
     if clip is None:
         step_param(param)

@@ -14,7 +14,7 @@ from torch import nn
 
 from overlap_optim import plans
 from overlap_optim.round import EndOfBackwardRound
-from sharders.kernels import TableKernel
+from sharders.kernels import KernelKind, TableKernel
 from sharders.table_state import ShardedTables
 
 __all__ = ["ShardedModulePlan", "plan_of"]
@@ -31,6 +31,21 @@ class ShardedModulePlan:
     tables: dict[str, TableKernel]
     round: EndOfBackwardRound
     state: ShardedTables
+
+    def accumulate(self, active: bool) -> None:
+        """See :meth:`overlap_optim.plans.ModulePlan.accumulate`. Data-parallel tables
+        accumulate with the dense part (DDP's ``no_sync``); frozen and unannotated ones have
+        nothing to hold back."""
+        updating = [t.table for t in self.tables.values() if t.kind in _IN_KERNEL]
+        if active and updating:
+            raise NotImplementedError(
+                f"no_step: tables {updating} update in their own kernels (fused, fallback or cross-shard), at "
+                "every backward; accumulating their micro-batches is not supported yet. Make the batch one "
+                "micro-batch, or run those tables data-parallel"
+            )
+
+
+_IN_KERNEL = (KernelKind.FUSED, KernelKind.LAZY, KernelKind.DENSE, KernelKind.CROSS_SHARD)
 
 
 def plan_of(module: nn.Module) -> ShardedModulePlan | None:

@@ -1,0 +1,148 @@
+"""Gradient accumulation for updates that run in backward: micro-batches that step once.
+
+Every backward normally updates each annotated parameter and releases its
+gradient. Inside :func:`no_step` nothing is updated: gradients accumulate on
+``.grad`` as plain torch accumulates them, and the first backward outside the
+block steps each parameter once, on the summed gradient. That equals k
+``backward()`` calls, then one ``torch.optim`` step. Clipping
+(:mod:`overlap_optim.clipping`) applies to the summed gradient.
+
+Under DDP, ``no_step`` enters DDP's ``no_sync`` for every DDP module of the
+model: nothing is all-reduced until the last micro-batch. ``no_sync`` takes
+effect at forward, so each micro-batch's forward runs inside the block too; a
+backward inside the block whose forward ran outside is refused (DDP has already
+prepared its all-reduce).
+
+**Undeclared accumulation is refused** (:class:`StepTracker`): once the model's
+keyed optimizer (:func:`overlap_optim.get_optimizers`) has had ``step()``
+called, a backward of the model that finds no ``step()`` since the model's
+previous backward raises, on every rank, before any collective. ``step()``
+itself stays a no-op that keeps schedulers in order, and stays optional: a loop
+that never calls it is never checked.
+
+Not covered yet, refused with the tables' names: tables of sharded modules that
+update in their own kernels (fused, fallback, cross-shard).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils import _pytree
+
+from overlap_optim import plans
+
+__all__ = ["no_step", "accumulating", "StepTracker", "track_steps"]
+
+_ACCUMULATING: dict[int, torch.Tensor] = {}  # id -> parameter, while its model is inside no_step
+_TRACKER = "_overlap_step_tracker"
+
+
+def accumulating(param: torch.Tensor) -> bool:
+    """Whether ``param``'s model is inside :func:`no_step`: its gradient accumulates, nothing
+    steps it. The one accessor of that mark."""
+    return _ACCUMULATING.get(id(param)) is param
+
+
+class StepTracker:
+    """The rule for undeclared accumulation, for one model: whether its keyed optimizer has
+    stepped, and whether it has since the model's previous backward."""
+
+    def __init__(self) -> None:
+        self.ever_stepped = False
+        self.stepped_since_backward = False
+        self.accumulating = False
+
+    def stepped(self) -> None:
+        """From the keyed optimizer's ``step()``."""
+        self.ever_stepped = self.stepped_since_backward = True
+
+    def backward_started(self) -> None:
+        """At the start of each backward of the model (its output's gradient hook), on every rank
+        before the model's first collective."""
+        if self.accumulating:
+            return
+        if self.ever_stepped and not self.stepped_since_backward:
+            raise RuntimeError(
+                "this backward found no step() of the model's optimizer since its previous backward. Each "
+                "backward updates every annotated parameter, so a loop that accumulates micro-batches this way "
+                "trains on each micro-batch instead of their sum. Run the micro-batches that must not update "
+                "inside overlap_optim.no_step(model) (their forward and backward), and the last one outside it; "
+                "or call step() after every backward (it does nothing but keep schedulers in order)"
+            )
+        self.stepped_since_backward = False
+
+    def _hook_output(self, _module: nn.Module, _inputs: object, output: object) -> None:
+        for leaf in _pytree.tree_leaves(output):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(self._on_grad)
+                return
+
+    def _on_grad(self, _grad: torch.Tensor) -> None:
+        self.backward_started()
+
+
+def track_steps(model: nn.Module) -> StepTracker:
+    """The model's :class:`StepTracker`, made and hooked on the model's forward once."""
+    tracker = model.__dict__.get(_TRACKER)
+    if tracker is None:
+        tracker = model.__dict__[_TRACKER] = StepTracker()
+        model.register_forward_hook(tracker._hook_output)
+    return tracker
+
+
+@contextlib.contextmanager
+def no_step(model: nn.Module) -> Iterator[None]:
+    """Micro-batches whose backward updates nothing: gradients accumulate until the first
+    backward outside the block, which steps each annotated parameter once on their sum.
+
+    Run each such micro-batch's forward and backward inside the block. Under DDP
+    (the model, or a DDP module inside it) it is DDP's ``no_sync`` too.
+
+    Args:
+        model: a plain module, a DDP module, or a ``DistributedModelParallel`` whose tables
+            are all data-parallel (or frozen, or stepped by your own optimizer).
+
+    Raises:
+        TypeError: ``model`` is not a module.
+        ValueError: nothing in ``model`` is annotated.
+        RuntimeError: ``no_step`` of the same model is already active (nested).
+        NotImplementedError: the model has sharded tables that update in their own kernels.
+
+    Example:
+        >>> with overlap_optim.no_step(model):
+        ...     (model(batch1) / 2).backward()    # nothing is updated
+        >>> (model(batch2) / 2).backward()        # one update, from the summed gradient
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"no_step takes an nn.Module, got {type(model).__name__}")
+    params = [p for p in model.parameters() if getattr(p, "_overlap_group", None) is not None]
+    planned = [m for m in model.modules() if plans.plan_of(m) is not None]
+    if not params and not planned:
+        raise ValueError(
+            "no_step: nothing in this model is annotated with overlap_optim.apply_optimizer_in_backward, so "
+            "nothing steps in backward; accumulate as plain torch does"
+        )
+    tracker = track_steps(model)
+    if tracker.accumulating:
+        raise RuntimeError("no_step: this model is already inside no_step; nested blocks have no other meaning")
+    with contextlib.ExitStack() as stack:
+        for module in planned:
+            plans.plan_of(module).accumulate(True)  # raises before anything changed, for what it cannot do
+            stack.callback(plans.plan_of(module).accumulate, False)
+        for module in model.modules():
+            if isinstance(module, DistributedDataParallel):
+                stack.enter_context(module.no_sync())
+        tracker.accumulating = True
+        for param in params:
+            _ACCUMULATING[id(param)] = param
+        try:
+            yield
+        finally:
+            tracker.accumulating = False
+            for param in params:
+                _ACCUMULATING.pop(id(param), None)

@@ -1,0 +1,57 @@
+"""Gradient accumulation (``overlap_optim.no_step``) on 2 ranks (gloo) against one process on the
+global batch: k backward() calls, then one torch.optim step.
+
+The bodies (``_accumulation_bodies``) compare the weights after every window; here each case's
+result is checked: exact, the reference moved, the bound clipped; the undeclared loop is stopped
+in its second window on both ranks; a mutant that updates at no_step micro-batches is caught.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+
+from _accumulation_bodies import ddp_windows, forward_outside, undeclared
+from overlap_optim.testing import run_cases, selected_cases
+
+CASES = {
+    "ddp_k2": partial(ddp_windows, k=2),
+    "ddp_k3": partial(ddp_windows, k=3),
+    "ddp_k3_clipped": partial(ddp_windows, k=3, clip=True),
+    "ddp_mutant_updates_every_micro_batch": partial(ddp_windows, k=2, mutate=True),
+    "undeclared": undeclared,
+    "forward_outside": forward_outside,
+}
+
+
+@pytest.fixture(scope="module")
+def ranks(request):
+    return run_cases(CASES, selected_cases(request, CASES), timeout=400)
+
+
+@pytest.mark.parametrize("case", ["ddp_k2", "ddp_k3", "ddp_k3_clipped"])
+def test_windows_equal_one_step_on_the_summed_global_gradient(ranks, case):
+    for result in ranks[case]:
+        assert max(result["diffs"]) < 1e-6, result["diffs"]
+        assert result["moved"] > 1e-3, "the reference did not move"
+        for reference, ours in result["norms"]:
+            assert abs(reference - ours) <= 1e-5 * reference and reference > result["bound"]
+
+
+def test_an_update_at_a_no_step_micro_batch_is_caught(ranks):
+    for result in ranks["ddp_mutant_updates_every_micro_batch"]:
+        assert max(result["diffs"]) > 1e-3, result["diffs"]
+
+
+def test_undeclared_accumulation_is_stopped_in_its_second_window_on_every_rank(ranks):
+    for stopped in ranks["undeclared"]:
+        assert stopped is not None, "the undeclared loop trained to the end"
+        window, micro, message = stopped
+        assert (window, micro) == (1, 1)
+        assert "overlap_optim.no_step(model)" in message and "step() after every backward" in message
+
+
+def test_a_micro_batch_whose_forward_ran_outside_no_step_is_refused(ranks):
+    for message in ranks["forward_outside"]:
+        assert "forward ran outside overlap_optim.no_step" in message, message
