@@ -12,6 +12,7 @@ so that no other module imports it.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +33,7 @@ __all__ = [
     "backward_id",
     "ddp_managed_parameters",
     "skip_ddp_lazy_init",
+    "no_sync_unless_first_static",
     "tell_reducer_optimizer_in_backward",
     "in_backward_hook_handles",
     "add_in_backward_hook_handle",
@@ -100,6 +102,20 @@ def tell_reducer_optimizer_in_backward(ddp_model: DistributedDataParallel) -> No
     longer copies the bucket into ``param.grad`` itself.
     """
     ddp_model.reducer._set_optimizer_in_backward()
+
+
+def no_sync_unless_first_static(ddp: DistributedDataParallel) -> contextlib.AbstractContextManager:
+    """``ddp.no_sync()``, except before the first backward of a static-graph DDP (TorchRec builds
+    them so): that backward's delayed all-reduce runs whatever ``no_sync`` says, and asserts
+    under it (``expect_autograd_hooks_`` in reducer.cpp). Then nothing: the comm hook keeps
+    that backward's gradients local itself.
+
+    Private API: ``DistributedDataParallel._static_graph_delay_allreduce_enqueued``, set at the
+    end of a static-graph DDP's first backward.
+    """
+    if ddp.static_graph and not ddp._static_graph_delay_allreduce_enqueued:
+        return contextlib.nullcontext()
+    return ddp.no_sync()
 
 
 def _probe_ddp() -> DistributedDataParallel:
@@ -243,6 +259,9 @@ PRIVATE_APIS: dict[str, Callable[[], object]] = {
     "torch._C._current_graph_task_id": lambda: torch._C._current_graph_task_id,
     "torch.nn.parallel.DistributedDataParallel._module_parameters": lambda: _probe_ddp()._module_parameters,
     "torch.nn.parallel.DistributedDataParallel._lazy_init_ran": lambda: _probe_ddp()._lazy_init_ran,
+    "torch.nn.parallel.DistributedDataParallel._static_graph_delay_allreduce_enqueued": (
+        lambda: DistributedDataParallel(torch.nn.Linear(1, 1), static_graph=True)._static_graph_delay_allreduce_enqueued
+    ),
     "torch.distributed.Reducer._set_optimizer_in_backward": lambda: dist.Reducer._set_optimizer_in_backward,
     "torch.distributed.optim.apply_optimizer_in_backward.param_to_optim_hook_handle_map": (
         lambda: _torch_in_backward.param_to_optim_hook_handle_map

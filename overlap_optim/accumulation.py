@@ -8,10 +8,10 @@ block steps each parameter once, on the summed gradient. That equals k
 (:mod:`overlap_optim.clipping`) applies to the summed gradient.
 
 Under DDP, ``no_step`` enters DDP's ``no_sync`` for every DDP module of the
-model: nothing is all-reduced until the last micro-batch. ``no_sync`` takes
-effect at forward, so each micro-batch's forward runs inside the block too; a
-backward inside the block whose forward ran outside is refused (DDP has already
-prepared its all-reduce).
+model: nothing is all-reduced until the last micro-batch. Where DDP reduces
+anyway (the first backward of a static-graph DDP, as TorchRec builds it, or a
+micro-batch whose forward ran before the block), our hook keeps each rank's
+gradient local and steps nothing, so the result is the same.
 
 **Undeclared accumulation is refused** (:class:`StepTracker`): once the model's
 keyed optimizer (:func:`overlap_optim.get_optimizers`) has had ``step()``
@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree
 
-from overlap_optim import plans
+from overlap_optim import _private, plans
 
 __all__ = ["no_step", "accumulating", "StepTracker", "track_steps"]
 
@@ -136,13 +136,14 @@ def no_step(model: nn.Module) -> Iterator[None]:
             stack.callback(plans.plan_of(module).accumulate, False)
         for module in model.modules():
             if isinstance(module, DistributedDataParallel):
-                stack.enter_context(module.no_sync())
+                stack.enter_context(_private.no_sync_unless_first_static(module))
         tracker.accumulating = True
-        for param in params:
+        marked = list(model.parameters())  # unannotated ones too: a clipping set must not clip them yet
+        for param in marked:
             _ACCUMULATING[id(param)] = param
         try:
             yield
         finally:
             tracker.accumulating = False
-            for param in params:
+            for param in marked:
                 _ACCUMULATING.pop(id(param), None)

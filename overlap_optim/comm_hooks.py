@@ -64,7 +64,7 @@ class OptimizerHookState:
     """
 
     __slots__ = ("process_group", "world_size", "targets", "managed", "reduction", "local_sgd", "round",
-                 "pending", "running", "clips")
+                 "pending", "running", "clips", "local_sums", "held_back")
 
     def __init__(
         self,
@@ -85,6 +85,9 @@ class OptimizerHookState:
         self.pending: list[torch.futures.Future] = []  # this backward's stepped buckets
         self.running: Reduction | None = None  # this backward's reduction; None between two
         self.clips = list(clips)
+        self.local_sums: dict[int, torch.Tensor] = {}  # param id -> gradient kept local inside no_step
+        # Whether no_step holds the update back; by default, whether it marks a bucket's parameters.
+        self.held_back: Callable[[], bool] | None = None
 
     def settle(self) -> None:
         """At the end of backward, first: wait for every bucket's reduction and update (or its
@@ -113,12 +116,10 @@ Reduction = Callable[[OptimizerHookState, dist.GradBucket], torch.futures.Future
 
 def optimizer_hook(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Reduce the bucket with this backward's reduction, then step the annotated parameters in it."""
-    if any(accumulating(p) for p in bucket.parameters()):
-        # Under no_step, DDP's no_sync keeps the reducer, and so this hook, out of the backward.
-        raise RuntimeError(
-            "no_step: this micro-batch's forward ran outside overlap_optim.no_step(model), so DDP prepared its "
-            "all-reduce at that forward; run the micro-batch's forward inside the block too"
-        )
+    if (state.held_back is not None and state.held_back()) or any(accumulating(p) for p in bucket.parameters()):
+        return _keep_local(state, bucket)
+    if state.local_sums:
+        _add_local_sums(state, bucket)
     reduction = state.running or _start_backward(state)
     stepped = reduction(state, bucket).then(lambda _: step_bucket(state, bucket))
     state.pending.append(stepped)
@@ -136,6 +137,38 @@ def _start_backward(state: OptimizerHookState) -> Reduction:
         clip.arm()
     state.running = local_step_hook if local else state.reduction
     return state.running
+
+
+def _keep_local(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Inside ``no_step``, where DDP reduces anyway: the first backward of a static-graph DDP
+    (its delayed all-reduce ignores ``no_sync``), or a micro-batch whose forward ran outside the
+    block. Nothing is reduced or stepped: each rank sets its local gradients aside (and clears
+    them, since DDP's next backward may rebuild its buckets), and the window's last micro-batch
+    adds them back before its reduction, as under ``no_sync``."""
+    for param, grad in zip(bucket.parameters(), _bucket_views(bucket)):
+        kept = state.local_sums.get(id(param))
+        state.local_sums[id(param)] = grad.detach().clone() if kept is None else kept.add_(grad)
+        param.grad = None
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def _add_local_sums(state: OptimizerHookState, bucket: dist.GradBucket) -> None:
+    """Add the gradients set aside by :func:`_keep_local` into the bucket, before it is reduced."""
+    for param, grad in zip(bucket.parameters(), _bucket_views(bucket)):
+        kept = state.local_sums.pop(id(param), None)
+        if kept is not None:
+            grad.add_(kept)
+
+
+def _bucket_views(bucket: dist.GradBucket) -> list[torch.Tensor]:
+    """Each parameter's gradient as a view of the bucket's buffer, in ``bucket.parameters()`` order."""
+    buffer, views, offset = bucket.buffer(), [], 0
+    for param in bucket.parameters():
+        views.append(buffer[offset : offset + param.numel()].view_as(param))
+        offset += param.numel()
+    return views
 
 
 # -- reductions: (state, bucket) -> a future of the bucket's buffer, ready to step on --

@@ -63,6 +63,7 @@ class DataParallelTable(TableKernel):
             if targets:
                 clipped = [clip for _, clip in sorted(clips.items())]
                 state = OptimizerHookState(context.process_group, targets, managed, clips=clipped)
+                state.held_back = lambda: context.accumulation.active  # the lookup's flat weights are no parameter of the model
                 install_optimizer_hook(lookup, state)
 
     def state_bytes(self, shard_shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> int:

@@ -67,7 +67,7 @@ from sharders.data_parallel import DataParallelTable  # noqa: F401 - registers t
 from sharders.fallback import DenseTable, LazyTable  # noqa: F401 - register the kinds
 from sharders.fbgemm import FusedTable  # noqa: F401 - registers the kind
 from sharders.frozen import FrozenTable  # noqa: F401 - registers the kind
-from sharders.kernels import ROW_SPLITTING, BuildContext, TableDecision, TableKernel, UserTable, kernel_class
+from sharders.kernels import ROW_SPLITTING, Accumulation, BuildContext, TableDecision, TableKernel, UserTable, kernel_class
 from sharders.live_settings import install_settings_check
 from sharders.optimizer_table import annotation_of, decide
 from sharders.plan import ShardedModulePlan
@@ -134,7 +134,10 @@ class EmbeddingBagCollectionSharder(_TorchRecSharder):
         _build(context)
         install_settings_check(sharded, tables)
         state = ShardedTables(_private.sharded_weights(sharded), tables, env.process_group)
-        plans.install_plan(sharded, ShardedModulePlan(tables, context.round, state))
+        data_parallel = tuple(m for m in _private.lookups(sharded) if isinstance(m, DistributedDataParallel))
+        plans.install_plan(
+            sharded, ShardedModulePlan(tables, context.round, state, context.accumulation, data_parallel)
+        )
         return sharded
 
     def _table_kernels(
@@ -179,7 +182,7 @@ def _build(context: BuildContext) -> None:
     clips = {t.clip.order: t.clip for t in context.tables.values() if t.clip is not None and t.clip.by_norm}
     arms += [clip.arm for _, clip in sorted(clips.items())]  # the same on every rank
     if arms:
-        _arm_from(model_parallel, arms)
+        _arm_from(model_parallel, [_unless(context.accumulation, arm) for arm in arms])
     by_kind: dict[type[TableKernel], list[TableKernel]] = {}
     for table in context.tables.values():
         by_kind.setdefault(type(table), []).append(table)
@@ -198,6 +201,11 @@ def _arm_from(kernels: list[nn.Module], arms: list[Callable[[], None]]) -> None:
         )
     for kernel in kernels:
         kernel.register_forward_hook(lambda module, args, output: arm_in_backward(output, arms))
+
+
+def _unless(accumulation: Accumulation, arm: Callable[[], None]) -> Callable[[], None]:
+    """``arm``, except inside ``no_step``: the round runs at the window's last micro-batch."""
+    return lambda: None if accumulation.active else arm()
 
 
 def _with_kernel(sharding: ParameterSharding, table: TableKernel | None) -> ParameterSharding:

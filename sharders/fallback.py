@@ -30,7 +30,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from overlap_optim.clipping import GradientClipping
 from overlap_optim.update import DenseTableOptimizer, RowOptimizer, TableOptimizer, step_tables
 from sharders import _private
-from sharders.kernels import BuildContext, KernelKind, LocalShard, TableKernel
+from sharders.kernels import Accumulation, BuildContext, KernelKind, LocalShard, TableKernel
 
 __all__ = ["FallbackEmbeddingBag", "FallbackOptimizer", "FallbackTable", "LazyTable", "DenseTable"]
 
@@ -55,7 +55,7 @@ class FallbackTable(TableKernel):
     def adopt(cls, kernel: nn.Module, tables: list[TableKernel], context: BuildContext) -> None:
         configs = kernel.config.embedding_tables
         makers = [lambda w, t=t, c=c: t.make_optimizer(w, c, context) for t, c in zip(tables, configs)]
-        fallback = FallbackEmbeddingBag.adopt(kernel, makers, tables[0].clip)
+        fallback = FallbackEmbeddingBag.adopt(kernel, makers, tables[0].clip, context.accumulation)
         for table, config, rows in zip(tables, configs, fallback.row_optimizers):
             table.shards.append(LocalShard(config.local_metadata, rows))
         # TorchRec combined its kernels' fused optimizers before we saw them; add ours,
@@ -121,6 +121,7 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
 
     row_optimizers: list[TableOptimizer]
     clipping: GradientClipping | None
+    accumulation: Accumulation
 
     @classmethod
     def adopt(
@@ -128,6 +129,7 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
         dense: BatchedDenseEmbeddingBag,
         tables: list[Callable[[torch.Tensor], TableOptimizer]],
         clipping: GradientClipping | None = None,
+        accumulation: Accumulation | None = None,
     ) -> FallbackEmbeddingBag:
         """Turn ``dense`` into a fallback kernel in place and return it.
 
@@ -141,6 +143,7 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
             tables: for each table (shard) of the kernel, in order, a function from its weight
                 to its table optimizer.
             clipping: the gradient clipping set of the kernel's tables, or None.
+            accumulation: the sharded module's ``no_step`` flag (None: never active).
         """
         assert isinstance(dense, BatchedDenseEmbeddingBag)
         dense.__class__ = cls
@@ -149,6 +152,8 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
         params = dict(dense.named_parameters_by_table())
         dense.row_optimizers = [make(w) for make, w in zip(tables, weights)]
         dense.clipping = clipping
+        dense.accumulation = accumulation if accumulation is not None else Accumulation()
+        dense._window = []  # per micro-batch of an open no_step window: each table's (rows, summed grads)
         # The annotation groups' own dicts: an LR schedule reaches the next backward.
         param_groups = list({id(r.group): r.group.param_group for r in dense.row_optimizers}.values())
         dense.fallback_optimizer = FallbackOptimizer(
@@ -183,19 +188,26 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
         self, grad_out: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None
     ) -> None:
         """Sum the gradient of every touched row of every table, then step each table once
-        (after clipping the sums, in a clipping set)."""
+        (after clipping the sums, in a clipping set). Inside ``no_step`` the sums are kept
+        instead, and the window's last micro-batch steps on the sums of all of them: a row is
+        touched if any micro-batch touched it."""
         per_table: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for ids, grads, table in self._value_grads(grad_out, indices, offsets, weights):
             per_table.setdefault(table, []).append((ids, grads))
-        updates = []
+        sums = []
         for table, rows in enumerate(self.row_optimizers):  # every table steps, touched or not
-            parts = per_table.get(table, [])
+            parts = [*(window[table] for window in self._window), *per_table.get(table, [])]
             ids = torch.cat([p[0] for p in parts]) if parts else indices.new_zeros(0)
             grads = torch.cat([p[1] for p in parts]) if parts else grad_out.new_zeros(0, rows.weight.shape[1])
             unique, inverse = torch.unique(ids, return_inverse=True)
             summed = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype, device=grads.device)
             summed.index_add_(0, inverse, grads)
-            updates.append((rows, unique, summed))
+            sums.append((unique, summed))
+        if self.accumulation.active:
+            self._window = [sums]  # the window so far, summed: it holds each touched row once
+            return
+        self._window = []
+        updates = [(rows, unique, summed) for rows, (unique, summed) in zip(self.row_optimizers, sums)]
         if self.clipping is None:
             step_tables(updates)  # one multi-tensor update per virtual group of tables
         else:  # each shard's rows are its own: no rank holds them alike

@@ -12,8 +12,9 @@ annotation group while it trains:
 - FBGEMM keeps no step count for Adagrad: each fused kernel counts the backward
   passes that reached it, which is torch.optim's ``step``;
 - :data:`FUSED_ROW_STATE` names FBGEMM's per-row state as torch.optim does;
-- in a gradient clipping set by norm, FBGEMM's backward waits for the norm
-  (:mod:`sharders.fused_clipping`).
+- FBGEMM's backward runs when :mod:`sharders.fused_backward` decides: at once,
+  at the end of backward for a table clipped by norm, or at the last micro-batch
+  of a ``no_step`` window.
 
 TorchRec applies a fused kernel's LR only in ``fused_optimizer.step()``, after
 backward: a schedule would reach the kernel one step late. Kernels are called
@@ -31,7 +32,7 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 
 from overlap_optim.spec import AnnotationGroup
-from sharders.fused_clipping import HeldBackward
+from sharders.fused_backward import HeldBackward
 from sharders.kernels import BuildContext, KernelChoice, KernelKind, LocalShard, TableKernel
 from sharders.optimizer_table import choose_kernel
 
@@ -63,8 +64,7 @@ class FusedTable(TableKernel):
     def adopt(cls, kernel: nn.Module, tables: list[TableKernel], context: BuildContext) -> None:
         names = [t.table for t in tables]
         fused = _FusedKernel(kernel, names, tables[0].group, context.device_type)
-        if tables[0].clip is not None:
-            HeldBackward(kernel.emb_module, tables[0].clip, names)
+        HeldBackward(kernel.emb_module, names, tables[0].clip, context.accumulation, fused.count)
         for index, (table, config) in enumerate(zip(tables, kernel.config.embedding_tables)):
             table.shards.append(LocalShard(config.local_metadata, FusedShardState(fused, index, table.state_layout())))
 
@@ -92,13 +92,12 @@ class FusedTable(TableKernel):
 
 class _FusedKernel:
     """One fused TBE kernel of ours: its tables, their group, and its step count. Its forward
-    pre-hook keeps FBGEMM's settings live; a hook on its output counts steps in backward."""
+    pre-hook keeps FBGEMM's settings live; :mod:`sharders.fused_backward` counts its updates."""
 
     def __init__(self, kernel: nn.Module, tables: list[str], group: AnnotationGroup, device_type: str) -> None:
         self.emb, self.tables, self.group, self.device_type = kernel.emb_module, tables, group, device_type
         self.steps = 0
         kernel.register_forward_pre_hook(lambda _kernel, _inputs: self.sync_live_settings())
-        kernel.register_forward_hook(self._count_in_backward)
 
     def sync_live_settings(self) -> None:
         """Push the group's current settings into the kernel, or refuse those FBGEMM cannot compute."""
@@ -108,11 +107,8 @@ class _FusedKernel:
         if eps is not None and self.emb.optimizer_args.eps != eps:
             self.emb.update_hyper_parameters({"eps": eps})
 
-    def _count_in_backward(self, _kernel: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
-        if output.requires_grad:
-            output.register_hook(self._count)
-
-    def _count(self, _grad: torch.Tensor) -> None:
+    def count(self) -> None:
+        """FBGEMM ran one update of the kernel's tables."""
         self.steps += 1
 
 

@@ -1,4 +1,4 @@
-"""Fused tables clipped by norm: the norm rebuilt from the output gradient, FBGEMM's backward held.
+"""Fused tables clipped by norm: the norm rebuilt from the output gradient.
 
 FBGEMM's fused backward forms each touched row's gradient and applies the update
 in one kernel; no gradient comes out between the two, so nothing can be clipped
@@ -15,7 +15,7 @@ linear in the kernel's output gradient. So a fused kernel in a clipping set
    :meth:`~overlap_optim.clipping.GradientClipping.hold`;
 2. at the end of backward, once the global norm is known, FBGEMM's own backward
    runs on the output gradient times the coefficient: its exact update of the
-   clipped gradient.
+   clipped gradient (:mod:`sharders.fused_backward` holds it back).
 
 What it costs: a sort of the batch's ids and one ``[touched rows, dim]`` sum per
 step, beside FBGEMM's own backward. What it holds until the end of backward: the
@@ -23,82 +23,19 @@ output gradient (``[batch, dims]``) and what the lookup saved (its ids).
 
 Clipping by value clamps each element of a row's summed gradient, which is not
 linear in the output gradient: those tables run in the fallback
-(:mod:`sharders.optimizer_table`). Variable batch sizes per feature (VBE) and
-unpooled lookups are refused here, naming the tables.
+(:mod:`sharders.optimizer_table`).
 """
 
 from __future__ import annotations
 
-import inspect
 import math
-from typing import Any
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch import nn
 
-from overlap_optim.clipping import GradientClipping
 
-__all__ = ["HeldBackward", "row_partial_norm"]
-
-
-class HeldBackward:
-    """Installed on one fused TBE module (``emb``) whose tables are all in ``clip`` (by norm):
-    its forward output leaves the autograd graph, and its backward waits for the norm."""
-
-    def __init__(self, emb: nn.Module, clip: GradientClipping, tables: list[str]) -> None:
-        assert clip.by_norm, "clipping by value runs in the fallback"
-        if emb.pooling_mode == PoolingMode.NONE:
-            raise NotImplementedError(
-                f"fused table(s) {tables} are unpooled lookups in a gradient clipping set; pin them to the "
-                "fallback (fallback_tables=[...])"
-            )
-        self.emb, self.clip, self.tables = emb, clip, tables
-        self._signature = inspect.signature(emb.forward)
-        self._anchor = torch.zeros(0, requires_grad=True)  # makes the output require grad, gets none
-        emb.register_forward_hook(self._detach, with_kwargs=True)
-
-    def _detach(self, _emb: nn.Module, args: tuple, kwargs: dict[str, Any], output: torch.Tensor) -> Any:
-        if not output.requires_grad:
-            return None
-        bound = self._signature.bind(*args, **kwargs).arguments
-        if bound.get("batch_size_per_feature_per_rank") is not None:
-            raise NotImplementedError(
-                f"fused table(s) {self.tables} in a gradient clipping set got a variable batch size per feature "
-                "(VBE); pin them to the fallback (fallback_tables=[...])"
-            )
-        lookup = (bound["indices"], bound["offsets"], bound.get("per_sample_weights"))
-        return _Held.apply(output.detach(), self._anchor, [self, output, lookup])
-
-    def hold(self, output: torch.Tensor, lookup: tuple, grad: torch.Tensor) -> None:
-        """From backward: add this rank's part of the norm; FBGEMM's backward runs at the end."""
-        partial = row_partial_norm(self.emb, grad, *lookup, self.clip.norm_type)
-
-        def update(coefficient: torch.Tensor) -> None:
-            torch.autograd.backward(output, grad * coefficient.to(grad.device, grad.dtype))
-
-        self.clip.hold(partial, update)
-
-
-class _Held(torch.autograd.Function):
-    """Identity on the lookup's output; its backward hands the output gradient to ``HeldBackward``."""
-
-    @staticmethod
-    def forward(ctx: Any, detached: torch.Tensor, _anchor: torch.Tensor, held: list) -> torch.Tensor:
-        ctx.held = held
-        return detached.view_as(detached)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
-        if ctx.held is None:
-            raise RuntimeError(
-                "a second backward through the lookup of a clipped fused table: its update ran already "
-                "(retain_graph=True is not supported there)"
-            )
-        held_backward, output, lookup = ctx.held
-        ctx.held = None
-        held_backward.hold(output, lookup, grad)
-        return None, None, None
+__all__ = ["row_partial_norm"]
 
 
 def row_partial_norm(

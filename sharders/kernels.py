@@ -28,6 +28,7 @@ and one line in the decision table.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import math
@@ -42,7 +43,7 @@ from overlap_optim.round import EndOfBackwardRound
 from overlap_optim.spec import AnnotationGroup
 
 __all__ = [
-    "KernelKind", "KernelChoice", "TableDecision", "ShardState", "LocalShard", "TableKernel", "BuildContext",
+    "KernelKind", "KernelChoice", "TableDecision", "Accumulation", "ShardState", "LocalShard", "TableKernel", "BuildContext",
     "UserTable", "kernel_class", "ROW_SPLITTING", "COLUMN_SPLITTING", "split_axis", "LAYOUTS",
 ]
 
@@ -157,6 +158,28 @@ class LocalShard:
 
 
 @dataclasses.dataclass
+class Accumulation:
+    """One sharded module's ``overlap_optim.no_step`` flag, read by its kernels in backward:
+    while ``active``, they keep each micro-batch's gradient instead of updating."""
+
+    active: bool = False
+    _contexts: contextlib.ExitStack | None = None
+
+    def hold_back(self, contexts: list[Any]) -> None:
+        """Become active, inside ``contexts`` (DDP's ``no_sync`` of data-parallel lookups)."""
+        stack = contextlib.ExitStack()
+        for context in contexts:
+            stack.enter_context(context)
+        self._contexts, self.active = stack, True
+
+    def release(self) -> None:
+        """Become inactive: the next backward is the window's last micro-batch."""
+        stack, self._contexts, self.active = self._contexts, None, False
+        if stack is not None:
+            stack.close()
+
+
+@dataclasses.dataclass
 class BuildContext:
     """What a kind needs to take over TorchRec's kernels of one sharded module."""
 
@@ -165,6 +188,7 @@ class BuildContext:
     device_type: str
     round: EndOfBackwardRound
     tables: dict[str, TableKernel]
+    accumulation: Accumulation = dataclasses.field(default_factory=Accumulation)
 
 
 _KINDS: dict[KernelKind, type[TableKernel]] = {}

@@ -13,8 +13,9 @@ import dataclasses
 from torch import nn
 
 from overlap_optim import plans
+from overlap_optim._private import no_sync_unless_first_static
 from overlap_optim.round import EndOfBackwardRound
-from sharders.kernels import KernelKind, TableKernel
+from sharders.kernels import Accumulation, TableKernel
 from sharders.table_state import ShardedTables
 
 __all__ = ["ShardedModulePlan", "plan_of"]
@@ -26,26 +27,28 @@ class ShardedModulePlan:
         tables: table name -> its kernel (every table of the module, on every rank, in config order).
         round: the module's end-of-backward round (no slots: it runs no collective).
         state: the tables' optimizer state in torch.optim's form.
+        accumulation: the module's ``no_step`` flag, which its kernels read.
     """
 
     tables: dict[str, TableKernel]
     round: EndOfBackwardRound
     state: ShardedTables
 
+    accumulation: Accumulation
+    data_parallel: tuple[nn.Module, ...] = ()  # the module's DDP-wrapped lookups
+
     def accumulate(self, active: bool) -> None:
-        """See :meth:`overlap_optim.plans.ModulePlan.accumulate`. Data-parallel tables
-        accumulate with the dense part (DDP's ``no_sync``); frozen and unannotated ones have
-        nothing to hold back."""
-        updating = [t.table for t in self.tables.values() if t.kind in _IN_KERNEL]
-        if active and updating:
-            raise NotImplementedError(
-                f"no_step: tables {updating} update in their own kernels (fused, fallback or cross-shard), at "
-                "every backward; accumulating their micro-batches is not supported yet. Make the batch one "
-                "micro-batch, or run those tables data-parallel"
-            )
-
-
-_IN_KERNEL = (KernelKind.FUSED, KernelKind.LAZY, KernelKind.DENSE, KernelKind.CROSS_SHARD)
+        """See :meth:`overlap_optim.plans.ModulePlan.accumulate`: every kernel of the module
+        keeps its micro-batches' gradients while active; data-parallel tables accumulate as
+        the dense part does, under DDP's ``no_sync`` (TorchRec keeps their DDP lookups out of
+        ``modules()``, so it is entered here); frozen and unannotated tables have nothing to
+        hold back."""
+        if active == self.accumulation.active:
+            return
+        if active:
+            self.accumulation.hold_back([no_sync_unless_first_static(ddp) for ddp in self.data_parallel])
+        else:
+            self.accumulation.release()
 
 
 def plan_of(module: nn.Module) -> ShardedModulePlan | None:

@@ -38,7 +38,7 @@ def _loss(model, batch, k):
     return (model(x) - y).pow(2).mean() / k
 
 
-def ddp_windows(rank, world_size, k, clip=False, windows=3, mutate=False):
+def ddp_windows(rank, world_size, k, clip=False, windows=3, mutate=False, forward_before=False):
     """Ours (DDP + our hook, ``no_step`` for all but the last micro-batch of each window)
     against one process on the global batch; the largest difference after each window."""
     model = _tower()
@@ -57,7 +57,8 @@ def ddp_windows(rank, world_size, k, clip=False, windows=3, mutate=False):
     ours = DDP(model)
     register_optimizer_hook(ours)
     if not mutate:
-        return _train(ours, reference, ref_opts, k, windows, world_size, rank, clipping if clip else None, bound)
+        return _train(ours, reference, ref_opts, k, windows, world_size, rank, clipping if clip else None, bound,
+                      forward_before)
     # a no_step that neither holds DDP back nor the hook's updates
     from overlap_optim import comm_hooks
     saved = comm_hooks.accumulating, DDP.no_sync
@@ -68,12 +69,17 @@ def ddp_windows(rank, world_size, k, clip=False, windows=3, mutate=False):
         comm_hooks.accumulating, DDP.no_sync = saved
 
 
-def _train(ours, reference, ref_opts, k, windows, world_size, rank, clipping, bound):
+def _train(ours, reference, ref_opts, k, windows, world_size, rank, clipping, bound, forward_before=False):
     opt = get_optimizers(ours)
     start = copy.deepcopy(reference)
     diffs, norms = [], []
     for window in range(windows):
         for micro in range(k - 1):
+            if forward_before:  # the forward before the block (DDP prepares its all-reduce), backward inside
+                loss = _loss(ours, _micro(window, micro, rank), k)
+                with no_step(ours):
+                    loss.backward()
+                continue
             with no_step(ours):
                 _loss(ours, _micro(window, micro, rank), k).backward()
         _loss(ours, _micro(window, k - 1, rank), k).backward()
@@ -109,17 +115,82 @@ def undeclared(rank, world_size):
     return None
 
 
-def forward_outside(rank, world_size):
-    """The micro-batch's forward outside no_step, its backward inside: refused (DDP prepared its
-    all-reduce at that forward)."""
-    model = _tower()
-    apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 0.05})
-    ours = DDP(model)
-    register_optimizer_hook(ours)
-    loss = _loss(ours, _micro(0, 0, rank), 2)
-    try:
-        with no_step(ours):
-            loss.backward()
-    except RuntimeError as err:
-        return str(err)
-    return "no error"
+# -- sharded tables: one DMP model with every kind of kernel (the model of _clipping_bodies) --
+
+
+def _third_batch(names, generator, third, batch=4):
+    """Per feature and sample 1-3 ids, all from one third of the rows (``third`` 0, 1 or 2)."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from _models import ROWS
+
+    low, high = third * ROWS // 3, (third + 1) * ROWS // 3
+    lengths, values = [], []
+    for _ in names:
+        for _ in range(batch):
+            ids = torch.randint(low, high, (int(torch.randint(1, 4, (1,), generator=generator)),), generator=generator)
+            lengths.append(ids.numel())
+            values.append(ids)
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"f_{n}" for n in names], values=torch.cat(values), lengths=torch.tensor(lengths))
+    return kjt, torch.randn(batch, generator=generator)
+
+
+def tables_windows(rank, world_size, k, clip=False, thirds=False, windows=2, mutate=False):
+    """Windows of k micro-batches on the model of ``_clipping_bodies`` (fused Adagrad row-wise, fused
+    SGD column-wise, fallback Adam lazy row-wise, fallback RMSprop dense column-wise, cross-shard
+    Adafactor row-wise, a data-parallel Adam table, the MLP under the DDP hook, a user SGD layer),
+    against one process: k backward() calls on the global micro-batches, then one step.
+
+    ``thirds``: micro-batch m touches only rows of third m (the lazy reference is SparseAdam on
+    the window's coalesced gradient). ``mutate``: each kernel updates at every micro-batch."""
+    from _clipping_bodies import NAMES, _build, _largest_difference, _reference_clip
+    from _models import concat_batches, covering_batch, loss_of
+    from _sharded_parity import compare
+
+    def parts(w, m):
+        generator = lambda r: torch.Generator().manual_seed(100 * w + 10 * m + r)  # noqa: E731
+        if thirds:
+            return [_third_batch(NAMES, generator(r), m % 3) for r in range(world_size)]
+        return [covering_batch(NAMES, generator(r), cover=True) for r in range(world_size)]
+
+    lazy = thirds
+    how = "norm" if clip else None
+    dmp, reference, ref_opts, clipping, bound = _build(rank, world_size, "everything", how, 2.0, parts(0, 0), lazy)
+    plan = None
+    if mutate:  # the kernels never see no_step
+        import sharders
+        plan = sharders.plan_of(dmp.module.ebc)
+        plan.accumulation.active = False
+        object.__setattr__(plan, "accumulate", lambda active: None)
+    opt = get_optimizers(dmp)
+    ours_user = torch.optim.SGD([p for n, p in dmp.named_parameters() if n.startswith("dense.2.")], lr=0.1)
+    ref_user = torch.optim.SGD(reference.dense[2].parameters(), lr=0.1)
+    start = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    norms, worst = [], 0.0
+    for w in range(windows):
+        for m in range(k):
+            context = no_step(dmp) if m < k - 1 else contextlib.nullcontext()
+            with context:
+                (loss_of(dmp, parts(w, m)[rank]) / k).backward()
+        opt.step()
+        ours_user.step()
+        ours_user.zero_grad()
+        for m in range(k):
+            (loss_of(reference, concat_batches(parts(w, m))) / k).backward()
+        if clip:
+            norm = _reference_clip(reference, "everything", "norm", bound, 2.0, lazy)
+            norms.append((norm.item(), clipping.total_norm.item()))
+        elif lazy:
+            weight = reference.ebc.embedding_bags["adam"].weight
+            weight.grad = weight.grad.to_sparse(sparse_dim=1)
+        for o in ref_opts + [ref_user]:
+            o.step()
+        reference.zero_grad()
+        if mutate:
+            worst = max(worst, _largest_difference(dmp, reference))
+        else:
+            compare(dmp, reference, NAMES, w, atol=2e-5)
+    moved = {n: (p.detach() - start[n]).abs().max().item() for n, p in reference.named_parameters()}
+    kinds = {n: t.kind.value for n, t in __import__("sharders").plan_of(dmp.module.ebc).tables.items()}
+    return {"moved": moved, "norms": norms, "bound": bound, "kinds": kinds, "worst": worst}

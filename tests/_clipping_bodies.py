@@ -59,10 +59,12 @@ def _build(rank, world_size, over, how, norm_type, first_parts, lazy_adam=False)
         cls, kwargs = SETTINGS[name]
         overlap_optim.apply_optimizer_in_backward(cls, [model.ebc.embedding_bags[name].weight], kwargs)
     overlap_optim.apply_optimizer_in_backward(DENSE[0], model.dense[0].parameters(), DENSE[1])
-    bound = _bound(reference, first_parts, over, how, norm_type)
+    bound, clip = None, None  # how=None: no clipping (the accumulation tests reuse this model)
+    if how is not None:
+        bound = _bound(reference, first_parts, over, how, norm_type)
     if how == "value":
         clip = overlap_optim.apply_gradient_clipping(_members(model, over), clip_value=bound)
-    else:
+    elif how == "norm":
         clip = overlap_optim.apply_gradient_clipping(_members(model, over), max_norm=bound, norm_type=norm_type)
     ref_opts = []
     for name in NAMES:

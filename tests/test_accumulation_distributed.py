@@ -12,16 +12,21 @@ from functools import partial
 
 import pytest
 
-from _accumulation_bodies import ddp_windows, forward_outside, undeclared
+from _accumulation_bodies import ddp_windows, tables_windows, undeclared
 from overlap_optim.testing import run_cases, selected_cases
 
 CASES = {
     "ddp_k2": partial(ddp_windows, k=2),
     "ddp_k3": partial(ddp_windows, k=3),
     "ddp_k3_clipped": partial(ddp_windows, k=3, clip=True),
+    "ddp_forward_before_the_block": partial(ddp_windows, k=2, forward_before=True),
     "ddp_mutant_updates_every_micro_batch": partial(ddp_windows, k=2, mutate=True),
+    "tables_k2": partial(tables_windows, k=2),
+    "tables_k3": partial(tables_windows, k=3),
+    "tables_thirds": partial(tables_windows, k=2, thirds=True),
+    "tables_k3_clipped": partial(tables_windows, k=3, clip=True),
+    "tables_mutant_updates_every_micro_batch": partial(tables_windows, k=2, mutate=True),
     "undeclared": undeclared,
-    "forward_outside": forward_outside,
 }
 
 
@@ -30,7 +35,7 @@ def ranks(request):
     return run_cases(CASES, selected_cases(request, CASES), timeout=400)
 
 
-@pytest.mark.parametrize("case", ["ddp_k2", "ddp_k3", "ddp_k3_clipped"])
+@pytest.mark.parametrize("case", ["ddp_k2", "ddp_k3", "ddp_k3_clipped", "ddp_forward_before_the_block"])
 def test_windows_equal_one_step_on_the_summed_global_gradient(ranks, case):
     for result in ranks[case]:
         assert max(result["diffs"]) < 1e-6, result["diffs"]
@@ -39,9 +44,21 @@ def test_windows_equal_one_step_on_the_summed_global_gradient(ranks, case):
             assert abs(reference - ours) <= 1e-5 * reference and reference > result["bound"]
 
 
+@pytest.mark.parametrize("case", ["tables_k2", "tables_k3", "tables_thirds", "tables_k3_clipped"])
+def test_every_kind_of_table_kernel_steps_once_per_window(ranks, case):
+    for result in ranks[case]:  # the body compared every weight after every window
+        still = [n for n, moved in result["moved"].items() if moved < 1e-3]
+        assert not still, f"the reference did not move {still}"
+        assert set(result["kinds"].values()) == {"fused", "lazy", "dense", "cross_shard", "data_parallel"}
+        for reference, ours in result["norms"]:
+            assert abs(reference - ours) <= 1e-5 * reference and reference > result["bound"]
+
+
 def test_an_update_at_a_no_step_micro_batch_is_caught(ranks):
     for result in ranks["ddp_mutant_updates_every_micro_batch"]:
         assert max(result["diffs"]) > 1e-3, result["diffs"]
+    for result in ranks["tables_mutant_updates_every_micro_batch"]:
+        assert result["worst"] > 1e-3, result
 
 
 def test_undeclared_accumulation_is_stopped_in_its_second_window_on_every_rank(ranks):
@@ -50,8 +67,3 @@ def test_undeclared_accumulation_is_stopped_in_its_second_window_on_every_rank(r
         window, micro, message = stopped
         assert (window, micro) == (1, 1)
         assert "overlap_optim.no_step(model)" in message and "step() after every backward" in message
-
-
-def test_a_micro_batch_whose_forward_ran_outside_no_step_is_refused(ranks):
-    for message in ranks["forward_outside"]:
-        assert "forward ran outside overlap_optim.no_step" in message, message

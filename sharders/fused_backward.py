@@ -1,0 +1,157 @@
+"""FBGEMM's fused backward, held back: when a fused table's update runs, and on what gradient.
+
+FBGEMM's TBE forms each touched row's gradient and applies its update inside one
+backward kernel, from the lookup's output gradient; nothing comes out between
+the two. Each fused kernel's lookup output therefore leaves the autograd graph
+(:class:`HeldBackward`), and its backward receives the output gradient and
+decides when FBGEMM's backward runs:
+
+- **now**, as TorchRec runs it, for a table in no clipping set and outside
+  ``no_step``;
+- **at the end of backward**, on the output gradient times the clipping
+  coefficient, for a table clipped by norm (:mod:`sharders.fused_clipping`
+  rebuilds its part of the norm);
+- **after the window's last micro-batch**, inside ``overlap_optim.no_step``: each
+  micro-batch's ids and output gradient are kept, and the first backward outside
+  the block runs one lookup over their concatenation (the last micro-batch
+  included) and FBGEMM's backward on it. FBGEMM's exact kernels add up duplicate
+  rows, so that is one update on the summed gradient; a row counts as touched if
+  any micro-batch touched it. What a window holds: each micro-batch's ids,
+  offsets, per-sample weights and output gradient (``[batch, dims]``): it grows
+  linearly with k.
+
+It also counts the updates (``on_update``): torch.optim's ``step`` of the
+kernel's tables. Variable batch sizes per feature (VBE) keep FBGEMM's own
+backward, and are refused with clipping or accumulation, naming the tables.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from torch import nn
+
+from overlap_optim.clipping import GradientClipping
+from sharders.fused_clipping import row_partial_norm
+from sharders.kernels import Accumulation
+
+__all__ = ["HeldBackward", "concatenate_lookups"]
+
+Lookup = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # indices, offsets, per-sample weights
+
+
+class HeldBackward:
+    """Installed on one fused TBE module (``emb``, running ``tables``); see the module doc.
+
+    Args:
+        clip: the clipping set of the kernel's tables (by norm), or None.
+        accumulation: the sharded module's ``no_step`` flag.
+        on_update: called after each update FBGEMM ran.
+    """
+
+    def __init__(
+        self,
+        emb: nn.Module,
+        tables: list[str],
+        clip: GradientClipping | None,
+        accumulation: Accumulation,
+        on_update: Callable[[], None],
+    ) -> None:
+        assert clip is None or clip.by_norm, "clipping by value runs in the fallback"
+        if emb.pooling_mode == PoolingMode.NONE and clip is not None:
+            raise NotImplementedError(
+                f"fused table(s) {tables} are unpooled lookups in a gradient clipping set; pin them to the "
+                "fallback (fallback_tables=[...])"
+            )
+        self.emb, self.tables, self.clip, self.accumulation = emb, tables, clip, accumulation
+        self.on_update = on_update
+        self.pending: list[tuple[Lookup, torch.Tensor]] = []  # the open window's micro-batches
+        self._signature = inspect.signature(emb.forward)
+        self._anchor = torch.zeros(0, requires_grad=True)  # makes the output require grad, gets none
+        emb.register_forward_hook(self._detach, with_kwargs=True)
+
+    def _detach(self, _emb: nn.Module, args: tuple, kwargs: dict[str, Any], output: torch.Tensor) -> Any:
+        if not output.requires_grad:
+            return None
+        bound = self._signature.bind(*args, **kwargs).arguments
+        if bound.get("batch_size_per_feature_per_rank") is not None:  # VBE: FBGEMM's own backward
+            if self.clip is not None or self.accumulation.active or self.pending:
+                raise NotImplementedError(
+                    f"fused table(s) {self.tables} got a variable batch size per feature (VBE) with gradient "
+                    "clipping or inside no_step; pin them to the fallback (fallback_tables=[...])"
+                )
+            output.register_hook(lambda _grad: self.on_update())
+            return None
+        lookup = (bound["indices"], bound["offsets"], bound.get("per_sample_weights"))
+        return _Held.apply(output.detach(), self._anchor, [self, output, lookup])
+
+    def backward(self, output: torch.Tensor, lookup: Lookup, grad: torch.Tensor) -> None:
+        """From backward, with the lookup's output gradient: update now, hold it for the norm,
+        or keep it for the window's last micro-batch."""
+        if self.accumulation.active:
+            self.pending.append((lookup, grad))
+            return
+        replay = None
+        if self.pending:
+            window, self.pending = [*self.pending, (lookup, grad)], []
+            lookup, grad = concatenate_lookups(window, len(self.emb.feature_table_map))
+            replay = lookup
+        if self.clip is None:
+            self._update(output, replay, grad)
+            return
+        partial = row_partial_norm(self.emb, grad, *lookup, self.clip.norm_type)
+        self.clip.hold(partial, lambda c: self._update(output, replay, grad * c.to(grad.device, grad.dtype)))
+
+    def _update(self, output: torch.Tensor, replay: Lookup | None, grad: torch.Tensor) -> None:
+        if replay is not None:  # a window: one lookup over its micro-batches, at the weights they saw
+            indices, offsets, weights = replay
+            with torch.enable_grad():
+                output = self.emb.forward(indices=indices, offsets=offsets, per_sample_weights=weights)
+        torch.autograd.backward(output, grad)
+        self.on_update()
+
+
+class _Held(torch.autograd.Function):
+    """Identity on the lookup's output; its backward hands the output gradient to ``HeldBackward``."""
+
+    @staticmethod
+    def forward(ctx: Any, detached: torch.Tensor, _anchor: torch.Tensor, held: list) -> torch.Tensor:
+        ctx.held = held
+        return detached.view_as(detached)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+        if ctx.held is None:
+            raise RuntimeError(
+                "a second backward through the lookup of a fused table: its update ran already "
+                "(retain_graph=True is not supported there)"
+            )
+        held_backward, output, lookup = ctx.held
+        ctx.held = None
+        held_backward.backward(output, lookup, grad)
+        return None, None, None
+
+
+def concatenate_lookups(window: list[tuple[Lookup, torch.Tensor]], features: int) -> tuple[Lookup, torch.Tensor]:
+    """One lookup over a window's micro-batches (feature-major: each feature's bags of every
+    micro-batch, in order), and its output gradient (the micro-batches' rows, in order)."""
+    index_parts, weight_parts, length_parts = [], [], []
+    for f in range(features):
+        for (indices, offsets, weights), grad in window:
+            batch = grad.shape[0]
+            start, end = int(offsets[f * batch]), int(offsets[(f + 1) * batch])
+            index_parts.append(indices[start:end])
+            if weights is not None:
+                weight_parts.append(weights[start:end])
+            length_parts.append(offsets[f * batch + 1 : (f + 1) * batch + 1] - offsets[f * batch : (f + 1) * batch])
+    offsets = window[0][0][1]
+    lengths = torch.cat(length_parts)
+    joined = torch.cat([offsets.new_zeros(1), torch.cumsum(lengths, 0).to(offsets.dtype)])
+    has_weights = window[0][0][2] is not None
+    assert all((w[0][2] is not None) == has_weights for w in window), "per-sample weights in some micro-batches only"
+    weights = torch.cat(weight_parts) if has_weights else None
+    return (torch.cat(index_parts), joined, weights), torch.cat([grad for _, grad in window])
