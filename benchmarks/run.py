@@ -28,7 +28,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when OpenMP starts: 
 import torch  # noqa: E402
 
 from benchmarks import (  # noqa: E402
-    clipping, dense_hook, fallback, layerwise, limit, local_sgd, scaling, sparse_vs_torchrec, virtual_groups,
+    accumulation, clipping, dense_hook, fallback, layerwise, limit, local_sgd, scaling, sparse_vs_torchrec, virtual_groups,
 )
 
 log = logging.getLogger("benchmarks")
@@ -42,6 +42,7 @@ MODULES = {
     "layerwise": layerwise,
     "local_sgd": local_sgd,
     "clipping": clipping,
+    "accumulation": accumulation,
 }
 FULL_COMMAND = ".venv/bin/python -m benchmarks.run --out benchmarks/results --docs docs/benchmarks.md"
 QUICK_COMMAND = ".venv/bin/python -m benchmarks.run --quick --out /tmp/bench"
@@ -148,6 +149,17 @@ NOTES = {
         "up the overlap costs, largest at batch 16, where the update is the largest share of the step. Clipping "
         "by value (`clip_value`) waits for nothing and is not measured here. Memory: ours holds the DDP buckets "
         "(views, no copy) until the norm is known, as torch holds `.grad`: the peaks are the same."
+    ),
+    "accumulation": (
+        "Both peers run the same 4 micro-batches per round. A window makes one update where 4 steps make 4: the "
+        "fused tables run one FBGEMM backward over the concatenated micro-batches (plus one extra lookup "
+        "over them), so `window / 4 steps` is below 1. The embedding all-to-alls still run at every micro-batch: "
+        "TorchRec has no `no_sync` for sharded tables. `window_fallback` is the other exact route for fused tables "
+        "(moved to the fallback for the accumulation); it is slower because the fallback itself is (see "
+        "`sparse_vs_torchrec` and `fallback`), and its peak memory is higher because it allocates the summed "
+        "touched rows of every table at every micro-batch. Held before the last micro-batch "
+        "(`held_before_last_micro_batch_mib`, per rank): each micro-batch's ids, offsets and output gradient, "
+        "linear in k."
     ),
 }
 
@@ -260,6 +272,10 @@ def _details(result: dict, plots_from: str) -> list[str]:
     if "peak_rss_kib" in result:
         lines += ["| peer | peak RSS (MiB, max over ranks) |", "| --- | --- |"]
         lines += [f"| {p} | {kib / 1024:.0f} |" for p, kib in result["peak_rss_kib"].items()]
+        lines.append("")
+    if "held_before_last_micro_batch_mib" in result:
+        lines += ["| k | held before the last micro-batch (MiB, per rank) |", "| --- | --- |"]
+        lines += [f"| {k} | {mib:.1f} |" for k, mib in result["held_before_last_micro_batch_mib"].items()]
         lines.append("")
     for label, shares in result.get("phases", {}).items():
         lines += [f"| where the time goes: {label} | share |", "| --- | --- |"]

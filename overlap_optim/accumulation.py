@@ -56,6 +56,7 @@ class StepTracker:
         self.ever_stepped = False
         self.stepped_since_backward = False
         self.accumulating = False
+        self.window_open = False  # micro-batches ran in no_step; the window's last has not
 
     def stepped(self) -> None:
         """From the keyed optimizer's ``step()``."""
@@ -65,6 +66,7 @@ class StepTracker:
         """At the start of each backward of the model (its output's gradient hook), on every rank
         before the model's first collective."""
         if self.accumulating:
+            self.window_open = True
             return
         if self.ever_stepped and not self.stepped_since_backward:
             raise RuntimeError(
@@ -75,6 +77,7 @@ class StepTracker:
                 "or call step() after every backward (it does nothing but keep schedulers in order)"
             )
         self.stepped_since_backward = False
+        self.window_open = False
 
     def _hook_output(self, _module: nn.Module, _inputs: object, output: object) -> None:
         for leaf in _pytree.tree_leaves(output):

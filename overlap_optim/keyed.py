@@ -126,6 +126,14 @@ class InBackwardOptimizer(KeyedOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: backward releases each annotated gradient after its update."""
 
+    def _refuse_mid_window(self, what: str) -> None:
+        if self._tracker is not None and self._tracker.window_open:
+            raise RuntimeError(
+                f"{what} inside a no_step window: micro-batches have run in overlap_optim.no_step(model) and the "
+                "window's last micro-batch has not, so their gradients are held outside the optimizer state. "
+                "Save or load after the window's last backward"
+            )
+
     def state_dict(self) -> dict[str, Any]:
         """``{"state": {fqn: {name: value}}, "param_groups": [...]}``.
 
@@ -136,7 +144,11 @@ class InBackwardOptimizer(KeyedOptimizer):
         optimizer class. State tensors are returned by reference, as
         ``torch.optim`` does. With sharded tables this is a collective: call it
         on every rank.
+
+        Raises:
+            RuntimeError: inside a ``no_step`` window (see :func:`overlap_optim.no_step`).
         """
+        self._refuse_mid_window("state_dict()")
         state = {self._key_of[p]: dict(s) for p, s in self.state.items()}
         for path, tables in self._sources:
             state.update({_join(path, k): v for k, v in tables.state_dict().items()})
@@ -153,7 +165,9 @@ class InBackwardOptimizer(KeyedOptimizer):
                 a parameter that has state here has none in ``state_dict``,
                 a parameter's optimizer or state names differ, or a state
                 tensor's shape does not fit its parameter.
+            RuntimeError: inside a ``no_step`` window.
         """
+        self._refuse_mid_window("load_state_dict()")
         new_state, new_groups = _state_schema.split(state_dict)
         _state_schema.check_keys(self.params, new_state, new_groups)
         dropped = sorted(k for k in self._keys_with_state() if not new_state.get(k))

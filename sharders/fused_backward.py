@@ -39,7 +39,14 @@ from overlap_optim.clipping import GradientClipping
 from sharders.fused_clipping import row_partial_norm
 from sharders.kernels import Accumulation
 
-__all__ = ["HeldBackward", "concatenate_lookups"]
+__all__ = ["HeldBackward", "concatenate_lookups", "held_backward_of"]
+
+_ATTR = "_overlap_held_backward"
+
+
+def held_backward_of(emb: nn.Module) -> HeldBackward | None:
+    """The :class:`HeldBackward` installed on a fused TBE module, or None."""
+    return emb.__dict__.get(_ATTR)
 
 Lookup = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # indices, offsets, per-sample weights
 
@@ -73,6 +80,12 @@ class HeldBackward:
         self._signature = inspect.signature(emb.forward)
         self._anchor = torch.zeros(0, requires_grad=True)  # makes the output require grad, gets none
         emb.register_forward_hook(self._detach, with_kwargs=True)
+        emb.__dict__[_ATTR] = self
+
+    def held_bytes(self) -> int:
+        """Bytes the open window holds: each micro-batch's ids, offsets, weights and output gradient."""
+        tensors = [t for (lookup, grad) in self.pending for t in (*lookup, grad) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def _detach(self, _emb: nn.Module, args: tuple, kwargs: dict[str, Any], output: torch.Tensor) -> Any:
         if not output.requires_grad:

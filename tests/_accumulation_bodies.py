@@ -194,3 +194,27 @@ def tables_windows(rank, world_size, k, clip=False, thirds=False, windows=2, mut
     moved = {n: (p.detach() - start[n]).abs().max().item() for n, p in reference.named_parameters()}
     kinds = {n: t.kind.value for n, t in __import__("sharders").plan_of(dmp.module.ebc).tables.items()}
     return {"moved": moved, "norms": norms, "bound": bound, "kinds": kinds, "worst": worst}
+
+
+def qsr_windows(rank, world_size, k=2, windows=4):
+    """Local SGD (QSR, period 3) under no_step: its step count after ``windows`` windows of k
+    micro-batches, and the largest difference between the ranks' weights (0 right after an
+    averaging, which a period-3 schedule makes at its 3rd step)."""
+    model = _tower()
+    apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 0.05})
+    sync = overlap_optim.QSR(alpha=0.0, base_period=3)
+    ours = DDP(model)
+    register_optimizer_hook(ours, local_sgd=sync)
+    opt = get_optimizers(ours)
+    spread_after = []
+    for window in range(windows):
+        for micro in range(k - 1):
+            with no_step(ours):
+                _loss(ours, _micro(window, micro, rank), k).backward()
+        _loss(ours, _micro(window, k - 1, rank), k).backward()
+        opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        gathered = [torch.zeros_like(flat) for _ in range(world_size)]
+        dist.all_gather(gathered, flat)
+        spread_after.append((gathered[0] - gathered[1]).abs().max().item())
+    return {"steps": sync.step, "spread_after": spread_after}

@@ -146,3 +146,20 @@ def test_refusals_name_the_problem():
         with pytest.raises(RuntimeError, match="already inside no_step"):
             with no_step(model):
                 pass
+
+
+def test_a_checkpoint_inside_a_window_is_refused_and_after_it_works():
+    model = _model()
+    apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 0.05})
+    opt = get_optimizers(model)
+    window = _windows(2, windows=1)[0]
+    with no_step(model):
+        _loss(model, window[0], 2).backward()
+    with pytest.raises(RuntimeError, match=r"state_dict\(\) inside a no_step window"):
+        opt.state_dict()
+    with pytest.raises(RuntimeError, match=r"load_state_dict\(\) inside a no_step window"):
+        opt.load_state_dict({"state": {}, "param_groups": []})
+    _loss(model, window[1], 2).backward()
+    saved = opt.state_dict()
+    assert saved["state"], "the window's update made state"
+    opt.load_state_dict(saved)

@@ -12,7 +12,7 @@ from functools import partial
 
 import pytest
 
-from _accumulation_bodies import ddp_windows, tables_windows, undeclared
+from _accumulation_bodies import ddp_windows, qsr_windows, tables_windows, undeclared
 from overlap_optim.testing import run_cases, selected_cases
 
 CASES = {
@@ -26,6 +26,7 @@ CASES = {
     "tables_thirds": partial(tables_windows, k=2, thirds=True),
     "tables_k3_clipped": partial(tables_windows, k=3, clip=True),
     "tables_mutant_updates_every_micro_batch": partial(tables_windows, k=2, mutate=True),
+    "qsr": qsr_windows,
     "undeclared": undeclared,
 }
 
@@ -67,3 +68,10 @@ def test_undeclared_accumulation_is_stopped_in_its_second_window_on_every_rank(r
         window, micro, message = stopped
         assert (window, micro) == (1, 1)
         assert "overlap_optim.no_step(model)" in message and "step() after every backward" in message
+
+
+def test_local_sgd_counts_one_step_per_window(ranks):
+    for result in ranks["qsr"]:
+        assert result["steps"] == 4, result
+        spread = result["spread_after"]  # local steps 1, 2; averaged at 3; local again at 4
+        assert spread[0] > 1e-4 and spread[1] > 1e-4 and spread[2] < 1e-7 and spread[3] > 1e-4, spread
