@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torchrec.distributed.batched_embedding_kernel import BatchedDenseEmbeddingBag
+from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbedding, BatchedDenseEmbeddingBag
 from torchrec.distributed.composable.table_batched_embedding_slice import TableBatchedEmbeddingSlice
-from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
+from torchrec.distributed.embedding import ShardedEmbeddingCollection
+from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup, GroupedPooledEmbeddingsLookup
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.optim.keyed import CombinedOptimizer
@@ -39,12 +40,13 @@ BATCH_KEY = "_batch_key"
 
 def lookups(sharded: nn.Module) -> list[nn.Module]:
     """A sharded module's lookups, one per sharding type (DDP-wrapped for data_parallel).
-    Private: ``ShardedEmbeddingBagCollection._lookups``."""
+    Private: ``ShardedEmbeddingBagCollection._lookups`` (and the EC's)."""
     return sharded._lookups
 
 
 def kernels_of_lookup(lookup: nn.Module) -> list[nn.Module]:
-    """The TBE kernels of one (unwrapped) lookup. Private: ``GroupedPooledEmbeddingsLookup._emb_modules``."""
+    """The TBE kernels of one (unwrapped) lookup. Private: ``GroupedPooledEmbeddingsLookup._emb_modules``
+    (and ``GroupedEmbeddingsLookup``'s)."""
     return list(getattr(lookup, "_emb_modules", []))
 
 
@@ -58,13 +60,13 @@ def kernels_of(sharded: nn.Module) -> Iterator[tuple[nn.Module, nn.Module]]:
 
 def add_fused_optimizer(sharded: nn.Module, optimizer: Any) -> None:
     """Add ``optimizer`` to the sharded module's ``fused_optimizer`` (a CombinedOptimizer TorchRec
-    built before we saw the module). Private: ``ShardedEmbeddingBagCollection._optim._optims``."""
+    built before we saw the module). Private: ``ShardedEmbeddingBagCollection._optim._optims`` (and the EC's)."""
     sharded._optim._optims.append(("", optimizer))
 
 
 def sharded_weights(sharded: nn.Module) -> dict[str, Any]:
     """Table name -> its model-parallel weight (a ``ShardedTensor``). Private:
-    ``ShardedEmbeddingBagCollection._model_parallel_name_to_sharded_tensor``."""
+    ``ShardedEmbeddingBagCollection._model_parallel_name_to_sharded_tensor`` (and the EC's)."""
     return dict(sharded._model_parallel_name_to_sharded_tensor)
 
 
@@ -75,20 +77,20 @@ def wrapped_module(dmp: DistributedModelParallel) -> nn.Module:
 
 @dataclasses.dataclass(frozen=True)
 class DenseKernelLayout:
-    """How a TorchRec dense TBE kernel maps features to tables and reads its inputs."""
+    """How a TorchRec dense TBE kernel maps features to tables and reads its inputs (its pooling
+    mode is FBGEMM's public ``emb_module.pooling_mode``)."""
 
     feature_table_map: list[int]
-    pooling: Any
     index_dtype: torch.dtype
     offset_dtype: torch.dtype
 
 
-def dense_kernel_layout(kernel: BatchedDenseEmbeddingBag) -> DenseKernelLayout:
-    """Private: ``BatchedDenseEmbeddingBag._feature_table_map``, ``._pooling``,
-    ``._embedding_table_index_type`` and ``._embedding_table_offset_type``."""
+def dense_kernel_layout(kernel: nn.Module) -> DenseKernelLayout:
+    """Of a ``BatchedDenseEmbeddingBag`` (EBC) or ``BatchedDenseEmbedding`` (EC). Private:
+    ``._feature_table_map``, ``._embedding_table_index_type`` and ``._embedding_table_offset_type``
+    of both."""
     return DenseKernelLayout(
-        kernel._feature_table_map, kernel._pooling, kernel._embedding_table_index_type,
-        kernel._embedding_table_offset_type,
+        kernel._feature_table_map, kernel._embedding_table_index_type, kernel._embedding_table_offset_type,
     )
 
 
@@ -116,11 +118,15 @@ PRIVATE_APIS: dict[str, Callable[[], object]] = {
     "GroupedPooledEmbeddingsLookup._emb_modules": lambda: _set_by(GroupedPooledEmbeddingsLookup, "_emb_modules"),
     "DistributedModelParallel._dmp_wrapped_module": lambda: _set_by(DistributedModelParallel, "_dmp_wrapped_module"),
     "BatchedDenseEmbeddingBag._feature_table_map": lambda: _set_by(BatchedDenseEmbeddingBag, "_feature_table_map"),
-    "BatchedDenseEmbeddingBag._pooling": lambda: _set_by(BatchedDenseEmbeddingBag, "_pooling"),
     "BatchedDenseEmbeddingBag._embedding_table_index_type": lambda: _set_by(
         BatchedDenseEmbeddingBag, "_embedding_table_index_type"),
     "BatchedDenseEmbeddingBag._embedding_table_offset_type": lambda: _set_by(
         BatchedDenseEmbeddingBag, "_embedding_table_offset_type"),
+    **{f"BaseBatchedEmbedding.{n}": (lambda n=n: _set_by(BaseBatchedEmbedding, n)) for n in (
+        "_feature_table_map", "_embedding_table_index_type", "_embedding_table_offset_type")},
+    **{f"ShardedEmbeddingCollection.{n}": (lambda n=n: _set_by(ShardedEmbeddingCollection, n)) for n in (
+        "_lookups", "_optim", "_model_parallel_name_to_sharded_tensor")},
+    "GroupedEmbeddingsLookup._emb_modules": lambda: _set_by(GroupedEmbeddingsLookup, "_emb_modules"),
     **{f"TableBatchedEmbeddingSlice.{n}": (lambda n=n: _set_by(TableBatchedEmbeddingSlice, n)) for n in (
         "_original_tensor", "_start_offset", "_end_offset", "_num_embeddings", "_embedding_dim")},
     "fused params key _batch_key (embedding_sharding.group_tables)": lambda: _mentions(

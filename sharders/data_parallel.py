@@ -53,7 +53,7 @@ class DataParallelTable(TableKernel):
                 flat = kernel.emb_module.weights
                 managed.append(flat)
                 for table, view in _table_views(kernel):
-                    weight = context.sharded.embedding_bags[table].weight
+                    weight = context.table_module(table).weight
                     _attach(weight, context.tables[table].group)
                     clip = context.tables[table].clip
                     join_clipping(weight, clip)

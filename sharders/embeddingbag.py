@@ -1,83 +1,36 @@
 """An EmbeddingBagCollection sharder that gives every table exactly its torch.optim update.
 
-It is TorchRec's sharder with three changes:
-
-- Each table's annotation is translated by :mod:`sharders.optimizer_table`:
-  fusable settings reach FBGEMM translated name by name (so tables with equal
-  settings share one fused TBE), everything else goes to the fallback kernel
-  (grouped by setting in the same way). Nothing untranslated reaches FBGEMM.
-- Data-parallel tables are updated with their annotated optimizer from a
-  DDP communication hook, after their gradients are all-reduced.
-- Row-wise and table-row-wise sharding are offered on CPU too.
-
-Which kernel runs each table is decided once, by :mod:`sharders.optimizer_table`,
-and carried out by the table's kind (:mod:`sharders.kernels`); this module
-only puts the pieces in order.
-
-A table whose weight has ``requires_grad=False`` is frozen (:mod:`sharders.frozen`):
-looked up, never updated, whatever its annotation.
-
-A fusable table can be pinned to the fallback, by name
-(``fallback_tables=``) or by a plan that gives it compute kernel "dense";
-any other kernel in the plan is replaced by the decision above.
+It is TorchRec's sharder with the changes of :mod:`sharders.collection` (the
+decision table, the kernel kinds, data-parallel tables in a DDP hook, frozen
+tables, ``fallback_tables=`` and ``dense_tables=``), and one more: row-wise and
+table-row-wise sharding are offered on CPU too.
 
 Fused and fallback tables are lazy: on a batch that leaves rows untouched,
 those rows and their state do not change. ``dense_tables=`` names tables that
 step every row of their shard on every batch instead (a zero gradient where
 untouched), exactly as ``torch.optim`` on a dense ``nn.EmbeddingBag``; they
-run in the fallback, at a cost that follows the shard's size.
-
-A table with no annotation gets TorchRec's dense kernel (or, data-parallel,
-plain DDP): its gradient is handed back on the sharded weight's ``.grad`` for
-the user's own optimizer (see ``overlap_optim.unoptimized_parameters``); stock
-TorchRec would silently train it with FBGEMM's default SGD.
-
-Refused at sharding time, with the table's name: an optimizer that needs a
-closure, and a table split into row (column) shards whose optimizer the
-optimizer model (:mod:`overlap_optim.spec`) finds not separable by rows
-(columns): Adafactor, Muon, CAME, and torchrec's ``RowWiseAdagrad`` on column
-shards. A whole table whose optimizer is not row-separable runs with dense
-semantics in the fallback.
+run in the fallback, at a cost that follows the shard's size. A whole table
+whose optimizer is not row-separable runs with dense semantics in the fallback.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder as _TorchRecSharder
-from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
-from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from overlap_optim import plans
-from overlap_optim.clipping import mark_taken
-from overlap_optim.round import EndOfBackwardRound, arm_in_backward
-from overlap_optim.spec import AnnotationGroup
-from sharders import _private
 from sharders._private import kernels_of
-from sharders.cross_shard import CrossShardTable  # noqa: F401 - registers the kind
-from sharders.data_parallel import DataParallelTable  # noqa: F401 - registers the kind
-from sharders.fallback import DenseTable, LazyTable  # noqa: F401 - register the kinds
-from sharders.fbgemm import FusedTable  # noqa: F401 - registers the kind
-from sharders.frozen import FrozenTable  # noqa: F401 - registers the kind
-from sharders.kernels import ROW_SPLITTING, Accumulation, BuildContext, TableDecision, TableKernel, UserTable, kernel_class
-from sharders.live_settings import install_settings_check
-from sharders.optimizer_table import annotation_of, decide
-from sharders.plan import ShardedModulePlan
-from sharders.table_state import ShardedTables
+from sharders.collection import CollectionSharder
+from sharders.kernels import ROW_SPLITTING, TableDecision
+from sharders.optimizer_table import annotation_of
 
 __all__ = ["EmbeddingBagCollectionSharder", "TableDecision", "annotation_of", "kernels_of"]
 
 
-class EmbeddingBagCollectionSharder(_TorchRecSharder):
-    """Drop-in for TorchRec's ``EmbeddingBagCollectionSharder``; see the module doc.
+class EmbeddingBagCollectionSharder(CollectionSharder, _TorchRecSharder):
+    """Drop-in for TorchRec's ``EmbeddingBagCollectionSharder`` (its arguments and
+    :class:`~sharders.collection.CollectionSharder`'s); see the module doc.
 
     Example:
         >>> sharder = EmbeddingBagCollectionSharder()
@@ -85,165 +38,11 @@ class EmbeddingBagCollectionSharder(_TorchRecSharder):
         >>> model = DistributedModelParallel(model, device=device, plan=plan, sharders=[sharder])
     """
 
-    def __init__(
-        self,
-        fused_params: dict[str, Any] | None = None,
-        *,
-        fallback_tables: Iterable[str] = (),
-        dense_tables: Iterable[str] = (),
-        **kwargs: Any,
-    ) -> None:
-        """``fallback_tables``: tables to run in the fallback even where FBGEMM could fuse them.
-        ``dense_tables``: tables to run with dense semantics (in the fallback; see the module doc)."""
-        for option, names in (("fallback_tables", fallback_tables), ("dense_tables", dense_tables)):
-            if isinstance(names, str):
-                raise TypeError(f"{option} takes table names, got the string {names!r}")
-        self.fallback_tables = frozenset(fallback_tables)
-        self.dense_tables = frozenset(dense_tables)
-        optimizer_keys = sorted(set(fused_params or {}) & {"optimizer", "learning_rate", "eps", "weight_decay"})
-        if optimizer_keys:
-            raise ValueError(
-                f"fused_params {optimizer_keys} set an optimizer for every table; annotate the tables "
-                "with overlap_optim.apply_optimizer_in_backward instead"
-            )
-        super().__init__(fused_params=fused_params, **kwargs)
+    tables_attr = "embedding_bags"
+
+    def table_configs(self, module: nn.Module) -> list[Any]:
+        return module.embedding_bag_configs()
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         types = list(super().sharding_types(compute_device_type))
         return types + [t for t in ROW_SPLITTING if t not in types]
-
-    def shard(
-        self,
-        module: EmbeddingBagCollection,
-        params: dict[str, ParameterSharding],
-        env: ShardingEnv,
-        device: torch.device | None = None,
-        module_fqn: str | None = None,
-    ) -> ShardedEmbeddingBagCollection:
-        device = device or torch.device("cpu")
-        tables = self._table_kernels(module, params, device.type)
-        params = {name: _with_kernel(sharding, tables.get(name)) for name, sharding in params.items()}
-        with _translated_annotations(module, tables):
-            sharded = super().shard(module, params, env, device, module_fqn)
-        for table in tables.values():  # the sharded module holds the tables now
-            _leave_group(module.embedding_bags[table.table].weight)
-            if table.clip is not None:
-                table.clip.leave(module.embedding_bags[table.table].weight, table.table)
-        mark_taken(sharded.parameters(), "the EBC sharder")
-        context = BuildContext(sharded, env.process_group, device.type, EndOfBackwardRound(env.process_group), tables)
-        _build(context)
-        install_settings_check(sharded, tables)
-        state = ShardedTables(_private.sharded_weights(sharded), tables, env.process_group)
-        data_parallel = tuple(m for m in _private.lookups(sharded) if isinstance(m, DistributedDataParallel))
-        plans.install_plan(
-            sharded, ShardedModulePlan(tables, context.round, state, context.accumulation, data_parallel)
-        )
-        return sharded
-
-    def _table_kernels(
-        self, module: EmbeddingBagCollection, params: dict[str, ParameterSharding], device_type: str
-    ) -> dict[str, TableKernel]:
-        """Each table's decision (:func:`sharders.optimizer_table.decide`), as its kind's kernel object."""
-        torch_made: dict[str, AnnotationGroup] = {}
-        decisions = {}
-        for config in module.embedding_bag_configs():
-            sharding = params[config.name]
-            shards = sharding.sharding_spec.shards if sharding.sharding_spec is not None else []
-            decisions[config.name] = decide(
-                config.name, module.embedding_bags[config.name].weight, sharding.sharding_type,
-                [list(s.shard_offsets) for s in shards], sharding.compute_kernel,
-                (config.num_embeddings, config.embedding_dim), device_type, torch_made,
-                pinned=self.fallback_tables, dense=self.dense_tables,
-            )
-        for option, names in (("fallback_tables", self.fallback_tables), ("dense_tables", self.dense_tables)):
-            unknown = sorted(names - set(decisions))
-            if unknown:
-                raise ValueError(f"{option} names tables this module does not have: {unknown}")
-        unannotated = sorted(n for n in self.dense_tables & set(decisions) if decisions[n].group is None)
-        if unannotated:
-            raise ValueError(
-                f"dense_tables names tables with no in-backward optimizer: {unannotated}; their gradient "
-                "goes to your own optimizer, which decides their semantics"
-            )
-        return {name: kernel_class(d.kind)(d) for name, d in decisions.items()}
-
-
-def _build(context: BuildContext) -> None:
-    """Each kind takes over TorchRec's kernels of its tables, then installs what it needs."""
-    for table in context.tables.values():  # the same order and sizes on every rank
-        table.join_round(context.round)
-    model_parallel = [k for lookup, k in kernels_of(context.sharded) if not isinstance(lookup, DistributedDataParallel)]
-    for kernel in model_parallel:
-        tables = [context.tables[t.name] for t in kernel.config.embedding_tables]
-        adopt = type(tables[0]).adopt
-        assert all(type(t).adopt == adopt for t in tables), f"one TorchRec kernel, several kinds: {tables}"
-        adopt(kernel, tables, context)
-    arms = [context.round.arm] if context.round.slots else []
-    clips = {t.clip.order: t.clip for t in context.tables.values() if t.clip is not None and t.clip.by_norm}
-    arms += [clip.arm for _, clip in sorted(clips.items())]  # the same on every rank
-    if arms:
-        _arm_from(model_parallel, [_unless(context.accumulation, arm) for arm in arms])
-    by_kind: dict[type[TableKernel], list[TableKernel]] = {}
-    for table in context.tables.values():
-        by_kind.setdefault(type(table), []).append(table)
-    for cls, tables in by_kind.items():
-        cls.install(tables, context)
-
-
-def _arm_from(kernels: list[nn.Module], arms: list[Callable[[], None]]) -> None:
-    """Every rank arms the module's round, and the clipping sets of its tables, from the backward
-    of each kernel it runs: all take part in the same collectives, tables held or not."""
-    if not kernels:
-        raise ValueError(
-            "this rank runs no kernel of a module whose split tables use a layer-wise optimizer, or whose tables "
-            "are clipped by norm, so it could not take part in their round; give every rank at least one table "
-            "of that module"
-        )
-    for kernel in kernels:
-        kernel.register_forward_hook(lambda module, args, output: arm_in_backward(output, arms))
-
-
-def _unless(accumulation: Accumulation, arm: Callable[[], None]) -> Callable[[], None]:
-    """``arm``, except inside ``no_step``: the round runs at the window's last micro-batch."""
-    return lambda: None if accumulation.active else arm()
-
-
-def _with_kernel(sharding: ParameterSharding, table: TableKernel | None) -> ParameterSharding:
-    """The plan's sharding with the compute kernel the table's kind runs in."""
-    if table is None or sharding.sharding_type == ShardingType.DATA_PARALLEL.value or table.compute_kernel is None:
-        return sharding
-    return dataclasses.replace(sharding, compute_kernel=EmbeddingComputeKernel(table.compute_kernel).value)
-
-
-def _leave_group(weight: torch.Tensor) -> None:
-    group = getattr(weight, "_overlap_group", None)
-    if group is not None:
-        params = group.param_group["params"]
-        params[:] = [p for p in params if p is not weight]
-
-
-@contextlib.contextmanager
-def _translated_annotations(module: nn.Module, tables: dict[str, TableKernel]) -> Iterator[None]:
-    """While TorchRec shards, each table's annotation reads as its kind's fused params.
-
-    TorchRec maps ``_optimizer_classes[0]`` itself and passes every other kwarg
-    to FBGEMM untranslated; with the class hidden and the kwargs replaced, it
-    passes exactly what the table's kind asks for, and groups tables into
-    kernels by their kind's :meth:`~sharders.kernels.TableKernel.batch_key`.
-    """
-    saved = {}
-    tokens: dict[Any, int] = {}  # numbered by first table: the same on every rank
-    for name, table in tables.items():
-        weight = module.embedding_bags[name].weight
-        saved[name] = {a: weight.__dict__[a] for a in ("_optimizer_classes", "_optimizer_kwargs") if a in weight.__dict__}
-        weight._optimizer_classes = [None]
-        batch = {_private.BATCH_KEY: f"overlap_optim:{tokens.setdefault(table.batch_key(), len(tokens))}"}
-        weight._optimizer_kwargs = [{**table.fbgemm_kwargs(), **batch}]
-    try:
-        yield
-    finally:
-        for name, attrs in saved.items():
-            weight = module.embedding_bags[name].weight
-            for attr in ("_optimizer_classes", "_optimizer_kwargs"):
-                weight.__dict__.pop(attr, None)
-            weight.__dict__.update(attrs)

@@ -2,10 +2,11 @@
 
 For tables whose optimizer FBGEMM cannot compute exactly (see
 :mod:`sharders.optimizer_table`), the sharder builds TorchRec's dense kernel
-(``BatchedDenseEmbeddingBag``, whose weights, state-dict and checkpoint
-plumbing we keep) and turns it into a :class:`FallbackEmbeddingBag`. Its
-forward is the dense kernel's lookup without an autograd graph on the weights;
-its backward turns the pooled output gradient into one summed gradient per
+(``BatchedDenseEmbeddingBag``, or ``BatchedDenseEmbedding`` for an EC, whose
+weights, state-dict and checkpoint plumbing we keep) and turns it into a
+:class:`FallbackEmbeddingBag` (:class:`FallbackEmbedding`) that runs :class:`RowUpdates`. Its forward is the dense kernel's lookup without an
+autograd graph on the weights; its backward turns the output gradient (pooled
+or not: :mod:`sharders.pooling`) into one summed gradient per
 touched row, and runs each table's :class:`~overlap_optim.update.RowOptimizer`
 (lazy: no gradient the size of a table is ever made, the cost follows the
 touched rows), or, for an optimizer that is not row-separable, its
@@ -20,9 +21,8 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
-from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch import nn
-from torchrec.distributed.batched_embedding_kernel import BatchedDenseEmbeddingBag
+from torchrec.distributed.batched_embedding_kernel import BatchedDenseEmbedding, BatchedDenseEmbeddingBag
 from torchrec.optim.fused import EmptyFusedOptimizer
 from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -31,8 +31,12 @@ from overlap_optim.clipping import GradientClipping
 from overlap_optim.update import DenseTableOptimizer, RowOptimizer, TableOptimizer, step_tables
 from sharders import _private
 from sharders.kernels import Accumulation, BuildContext, KernelKind, LocalShard, TableKernel
+from sharders.pooling import is_pooled, unpooled_lookup, value_grads
 
-__all__ = ["FallbackEmbeddingBag", "FallbackOptimizer", "FallbackTable", "LazyTable", "DenseTable"]
+__all__ = [
+    "RowUpdates", "FallbackEmbeddingBag", "FallbackEmbedding", "FallbackOptimizer", "FallbackTable", "LazyTable",
+    "DenseTable",
+]
 
 
 class FallbackTable(TableKernel):
@@ -55,13 +59,13 @@ class FallbackTable(TableKernel):
     def adopt(cls, kernel: nn.Module, tables: list[TableKernel], context: BuildContext) -> None:
         configs = kernel.config.embedding_tables
         makers = [lambda w, t=t, c=c: t.make_optimizer(w, c, context) for t, c in zip(tables, configs)]
-        fallback = FallbackEmbeddingBag.adopt(kernel, makers, tables[0].clip, context.accumulation)
-        for table, config, rows in zip(tables, configs, fallback.row_optimizers):
+        updates = RowUpdates.adopt(kernel, makers, tables[0].clip, context.accumulation)
+        for table, config, rows in zip(tables, configs, updates.row_optimizers):
             table.shards.append(LocalShard(config.local_metadata, rows))
         # TorchRec combined its kernels' fused optimizers before we saw them; add ours,
         # keyed as TorchRec keys the fused ones, so DMP's fused_optimizer covers them too.
-        optimizer = fallback.fallback_optimizer
-        optimizer.params = {f"embedding_bags.{k}": v for k, v in optimizer.params.items()}
+        optimizer = updates.optimizer()
+        optimizer.params = {f"{context.tables_attr}.{k}": v for k, v in optimizer.params.items()}
         _private.add_fused_optimizer(context.sharded, optimizer)
 
     @classmethod
@@ -71,7 +75,7 @@ class FallbackTable(TableKernel):
         keeps it from the user's optimizer: ``CombinedOptimizer([model.fused_optimizer, user])``
         then sees each key once."""
         for table in tables:
-            weight = context.sharded.embedding_bags[table.table].weight
+            weight = context.table_module(table.table).weight
             if not hasattr(weight, "_in_backward_optimizers"):
                 weight._in_backward_optimizers = [EmptyFusedOptimizer()]
 
@@ -112,26 +116,40 @@ class DenseTable(FallbackTable):
         return "fallback: torch.optim on the whole table"
 
 
-class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
-    """A dense TorchRec kernel whose tables are updated in backward, row by touched row.
+class RowUpdates:
+    """What a fallback kernel runs: its lookup with no graph on the weights, and, in backward,
+    torch.optim on each table's touched rows. Build one with :meth:`adopt`.
 
-    Build it with :meth:`adopt`. ``row_optimizers[i]`` updates the kernel's
-    i-th table (shard), a ``(rows, dim)`` view of the dense kernel's weights.
+    ``row_optimizers[i]`` updates the kernel's i-th table (shard), a ``(rows, dim)`` view of
+    the dense kernel's weights.
     """
 
-    row_optimizers: list[TableOptimizer]
-    clipping: GradientClipping | None
-    accumulation: Accumulation
+    def __init__(
+        self,
+        kernel: nn.Module,
+        row_optimizers: list[TableOptimizer],
+        clipping: GradientClipping | None = None,
+        accumulation: Accumulation | None = None,
+    ) -> None:
+        self.kernel, self.row_optimizers, self.clipping = kernel, row_optimizers, clipping
+        self.accumulation = accumulation if accumulation is not None else Accumulation()
+        self.window: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # an open no_step window, summed
+        self.layout = _private.dense_kernel_layout(kernel)
+        self.pooling_mode = kernel.emb_module.pooling_mode
+        # Nothing of the weights is in the graph; the anchor lets backward reach the kernel.
+        kernel.emb_module.weights.requires_grad_(False)
+        self.anchor = torch.empty(0, requires_grad=True)
 
     @classmethod
     def adopt(
         cls,
-        dense: BatchedDenseEmbeddingBag,
-        tables: list[Callable[[torch.Tensor], TableOptimizer]],
+        dense: nn.Module,
+        tables: list[Callable[[torch.Tensor], TableOptimizer]] = (),
         clipping: GradientClipping | None = None,
         accumulation: Accumulation | None = None,
-    ) -> FallbackEmbeddingBag:
-        """Turn ``dense`` into a fallback kernel in place and return it.
+    ) -> RowUpdates:
+        """Turn TorchRec's dense kernel ``dense`` (pooled or not) into a fallback kernel in place,
+        and return what it runs.
 
         TorchRec's lookup builds kernels from a closed switch with no registry,
         and registers the tables' parameters before a sharder sees the result,
@@ -145,43 +163,40 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
             clipping: the gradient clipping set of the kernel's tables, or None.
             accumulation: the sharded module's ``no_step`` flag (None: never active).
         """
-        assert isinstance(dense, BatchedDenseEmbeddingBag)
-        dense.__class__ = cls
+        dense.__class__ = _FALLBACK_OF[type(dense)]
         weights = dense.emb_module.split_embedding_weights()
-        names = [t.name for t in dense.config.embedding_tables]
-        params = dict(dense.named_parameters_by_table())
-        dense.row_optimizers = [make(w) for make, w in zip(tables, weights)]
-        dense.clipping = clipping
-        dense.accumulation = accumulation if accumulation is not None else Accumulation()
-        dense._window = []  # per micro-batch of an open no_step window: each table's (rows, summed grads)
-        # The annotation groups' own dicts: an LR schedule reaches the next backward.
-        param_groups = list({id(r.group): r.group.param_group for r in dense.row_optimizers}.values())
-        dense.fallback_optimizer = FallbackOptimizer(
-            {f"{n}.weight": params[n] for n in names}, dense.row_optimizers, param_groups
-        )
-        # Nothing of the weights is in the graph; the anchor lets backward reach us.
-        dense.emb_module.weights.requires_grad_(False)
-        dense._anchor = torch.empty(0, requires_grad=True)
-        return dense
+        dense.row_updates = cls(dense, [make(w) for make, w in zip(tables, weights)], clipping, accumulation)
+        return dense.row_updates
 
-    def forward(self, features: KeyedJaggedTensor, *unused: Any) -> torch.Tensor:
+    def optimizer(self) -> FallbackOptimizer:
+        """The kernel's tables as TorchRec's ``KeyedOptimizer``, keyed ``<table>.weight``."""
+        params = dict(self.kernel.named_parameters_by_table())
+        names = [t.name for t in self.kernel.config.embedding_tables]
+        # The annotation groups' own dicts: an LR schedule reaches the next backward.
+        param_groups = list({id(r.group): r.group.param_group for r in self.row_optimizers}.values())
+        return FallbackOptimizer({f"{n}.weight": params[n] for n in names}, self.row_optimizers, param_groups)
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        tables = [t.name for t in self.kernel.config.embedding_tables]
         if features.variable_stride_per_key():
-            raise NotImplementedError(
-                f"fallback tables {[t.name for t in self.config.embedding_tables]}: variable batch "
-                "size per feature is not supported"
-            )
+            raise NotImplementedError(f"fallback tables {tables}: variable batch size per feature is not supported")
         weights = features.weights_or_none()
         if weights is not None and not torch.is_floating_point(weights):
             weights = None
         if weights is not None and weights.requires_grad:
             raise NotImplementedError(
-                f"fallback tables {[t.name for t in self.config.embedding_tables]}: per-sample weights "
-                "that require grad (feature processors) are not supported"
+                f"fallback tables {tables}: per-sample weights that require grad (feature processors) are not supported"
             )
-        layout = _private.dense_kernel_layout(self)
-        indices = features.values().to(layout.index_dtype)
-        offsets = features.offsets().to(layout.offset_dtype)
-        return _LookupThenUpdate.apply(self._anchor, self, indices, offsets, weights)
+        indices = features.values().to(self.layout.index_dtype)
+        offsets = features.offsets().to(self.layout.offset_dtype)
+        return _LookupThenUpdate.apply(self.anchor, self, indices, offsets, weights)
+
+    def lookup(self, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        """The kernel's output for a batch, pooled or not (:mod:`sharders.pooling`)."""
+        emb = self.kernel.emb_module
+        if is_pooled(self.pooling_mode):
+            return emb(indices=indices, offsets=offsets, per_sample_weights=weights)
+        return unpooled_lookup(emb.split_embedding_weights(), self.layout.feature_table_map, indices, offsets)
 
     @torch.no_grad()
     def update_rows(
@@ -192,11 +207,14 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
         instead, and the window's last micro-batch steps on the sums of all of them: a row is
         touched if any micro-batch touched it."""
         per_table: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for ids, grads, table in self._value_grads(grad_out, indices, offsets, weights):
+        dims = [r.weight.shape[1] for r in self.row_optimizers]
+        for ids, grads, table in value_grads(
+            self.pooling_mode, self.layout.feature_table_map, dims, grad_out, indices, offsets, weights
+        ):
             per_table.setdefault(table, []).append((ids, grads))
         sums = []
         for table, rows in enumerate(self.row_optimizers):  # every table steps, touched or not
-            parts = [*(window[table] for window in self._window), *per_table.get(table, [])]
+            parts = [*(window[table] for window in self.window), *per_table.get(table, [])]
             ids = torch.cat([p[0] for p in parts]) if parts else indices.new_zeros(0)
             grads = torch.cat([p[1] for p in parts]) if parts else grad_out.new_zeros(0, rows.weight.shape[1])
             unique, inverse = torch.unique(ids, return_inverse=True)
@@ -204,38 +222,37 @@ class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
             summed.index_add_(0, inverse, grads)
             sums.append((unique, summed))
         if self.accumulation.active:
-            self._window = [sums]  # the window so far, summed: it holds each touched row once
+            self.window = [sums]  # the window so far, summed: it holds each touched row once
             return
-        self._window = []
+        self.window = []
         updates = [(rows, unique, summed) for rows, (unique, summed) in zip(self.row_optimizers, sums)]
         if self.clipping is None:
             step_tables(updates)  # one multi-tensor update per virtual group of tables
         else:  # each shard's rows are its own: no rank holds them alike
             self.clipping.clip([u[2] for u in updates], lambda: step_tables(updates))
 
-    def _value_grads(self, grad_out, indices, offsets, weights):
-        """Per feature: (row ids, gradient of each looked-up value, table index)."""
-        layout = _private.dense_kernel_layout(self)
-        features = len(layout.feature_table_map)
-        batch = (offsets.numel() - 1) // features
-        if batch == 0:
-            return
-        lengths = offsets[1:] - offsets[:-1]
-        bag_of_value = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)
-        column = 0
-        dims = [w.shape[1] for w in (r.weight for r in self.row_optimizers)]
-        bounds = offsets[:: batch].tolist()  # where each feature's values start
-        for f, table in enumerate(layout.feature_table_map):
-            start, end = bounds[f], bounds[f + 1]
-            dim = dims[table]
-            samples = bag_of_value[start:end] - f * batch
-            grads = grad_out[:, column : column + dim].contiguous().index_select(0, samples)
-            if weights is not None:
-                grads = grads * weights[start:end, None]
-            if layout.pooling == PoolingMode.MEAN:
-                grads = grads / lengths[f * batch + samples].clamp(min=1)[:, None]
-            column += dim
-            yield indices[start:end], grads, table
+
+class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):
+    """TorchRec's dense kernel of an EmbeddingBagCollection (pooled), running its ``row_updates``."""
+
+    row_updates: RowUpdates
+
+    def forward(self, features: KeyedJaggedTensor, *unused: Any) -> torch.Tensor:
+        return self.row_updates.forward(features)
+
+
+class FallbackEmbedding(BatchedDenseEmbedding):
+    """TorchRec's dense kernel of an EmbeddingCollection (unpooled), running its ``row_updates``."""
+
+    row_updates: RowUpdates
+
+    def forward(self, features: KeyedJaggedTensor, *unused: Any) -> torch.Tensor:
+        return self.row_updates.forward(features)
+
+
+_FALLBACK_OF: dict[type, type[nn.Module]] = {
+    BatchedDenseEmbeddingBag: FallbackEmbeddingBag, BatchedDenseEmbedding: FallbackEmbedding,
+}
 
 
 class FallbackOptimizer(KeyedOptimizer):
@@ -278,13 +295,13 @@ class _RowState(Mapping):
 
 class _LookupThenUpdate(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, anchor, kernel, indices, offsets, weights):
-        ctx.kernel, ctx.weights = kernel, weights
+    def forward(ctx, anchor, updates, indices, offsets, weights):
+        ctx.updates, ctx.weights = updates, weights
         ctx.save_for_backward(indices, offsets)
-        return kernel.emb_module(indices=indices, offsets=offsets, per_sample_weights=weights)
+        return updates.lookup(indices, offsets, weights)
 
     @staticmethod
     def backward(ctx, grad_out):
         indices, offsets = ctx.saved_tensors
-        ctx.kernel.update_rows(grad_out.contiguous(), indices, offsets, ctx.weights)
+        ctx.updates.update_rows(grad_out.contiguous(), indices, offsets, ctx.weights)
         return None, None, None, None, None

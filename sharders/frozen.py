@@ -25,10 +25,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from sharders import _private
-from sharders.fallback import FallbackEmbeddingBag
+from sharders.fallback import RowUpdates
 from sharders.kernels import BuildContext, KernelKind, TableKernel
 
-__all__ = ["FrozenTable", "FrozenEmbeddingBag"]
+__all__ = ["FrozenTable", "FrozenRows"]
 
 
 class FrozenTable(TableKernel):
@@ -42,7 +42,7 @@ class FrozenTable(TableKernel):
 
     @classmethod
     def adopt(cls, kernel: nn.Module, tables: list[TableKernel], context: BuildContext) -> None:
-        FrozenEmbeddingBag.adopt_frozen(kernel)
+        FrozenRows.adopt(kernel)
 
     @classmethod
     def install(cls, tables: list[TableKernel], context: BuildContext) -> None:
@@ -51,21 +51,21 @@ class FrozenTable(TableKernel):
             if isinstance(lookup, DistributedDataParallel):
                 lookups[i] = _without_frozen(lookup, context)
         for table in tables:  # the weights no longer require grad: so their views say
-            bag = context.sharded.embedding_bags[table.table]
+            bag = context.table_module(table.table)
             weight = getattr(bag, "weight", None)
             if isinstance(weight, nn.Parameter):
                 bag.weight = weight = _private.slice_again(weight)
             if isinstance(weight, torch.Tensor) and weight.is_leaf:  # an empty one, where another rank holds it
                 weight.requires_grad_(False)
-            table.watch(context.sharded)
+            table.watch(context)
 
     def __init__(self, decision: Any) -> None:
         super().__init__(decision)
         self._weight: torch.Tensor | None = None
 
-    def watch(self, sharded: nn.Module) -> None:
+    def watch(self, context: BuildContext) -> None:
         """Remember the sharded weight whose ``requires_grad`` :meth:`check_live` reads."""
-        self._weight = getattr(sharded.embedding_bags[self.table], "weight", None)
+        self._weight = getattr(context.table_module(self.table), "weight", None)
 
     def check_live(self) -> None:
         if self._weight is not None and self._weight.requires_grad:
@@ -105,18 +105,10 @@ def _without_frozen(lookup: DistributedDataParallel, context: BuildContext) -> n
     )
 
 
-class FrozenEmbeddingBag(FallbackEmbeddingBag):
-    """A dense TorchRec kernel of frozen tables: the lookup, and a backward that drops the gradient."""
-
-    @classmethod
-    def adopt_frozen(cls, dense: nn.Module) -> FrozenEmbeddingBag:
-        """Turn TorchRec's dense kernel ``dense`` into a frozen one in place, and return it."""
-        dense.__class__ = cls
-        dense.row_optimizers = []
-        dense.emb_module.weights.requires_grad_(False)
-        # The anchor keeps the output in the graph, so this rank's all-to-all backward runs.
-        dense._anchor = torch.empty(0, requires_grad=True)
-        return dense
+class FrozenRows(RowUpdates):
+    """What a kernel of frozen tables runs (pooled or not): the lookup, and a backward that
+    drops the gradient. Its output still requires grad (the anchor), so this rank's
+    all-to-all backward runs."""
 
     @torch.no_grad()
     def update_rows(self, *unused: Any) -> None:

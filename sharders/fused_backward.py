@@ -17,7 +17,8 @@ decides when FBGEMM's backward runs:
   included) and FBGEMM's backward on it. FBGEMM's exact kernels add up duplicate
   rows, so that is one update on the summed gradient; a row counts as touched if
   any micro-batch touched it. What a window holds: each micro-batch's ids,
-  offsets, per-sample weights and output gradient (``[batch, dims]``): it grows
+  offsets, per-sample weights and output gradient (``[batch, dims]`` pooled, ``[ids, dim]``
+  unpooled): it grows
   linearly with k.
 
 It also counts the updates (``on_update``): torch.optim's ``step`` of the
@@ -32,14 +33,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch import nn
 
 from overlap_optim.clipping import GradientClipping
 from sharders.fused_clipping import row_partial_norm
 from sharders.kernels import Accumulation
+from sharders.pooling import Lookup, concatenate_lookups
 
-__all__ = ["HeldBackward", "concatenate_lookups", "held_backward_of"]
+__all__ = ["HeldBackward", "held_backward_of"]
 
 _ATTR = "_overlap_held_backward"
 
@@ -47,8 +48,6 @@ _ATTR = "_overlap_held_backward"
 def held_backward_of(emb: nn.Module) -> HeldBackward | None:
     """The :class:`HeldBackward` installed on a fused TBE module, or None."""
     return emb.__dict__.get(_ATTR)
-
-Lookup = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # indices, offsets, per-sample weights
 
 
 class HeldBackward:
@@ -69,11 +68,6 @@ class HeldBackward:
         on_update: Callable[[], None],
     ) -> None:
         assert clip is None or clip.by_norm, "clipping by value runs in the fallback"
-        if emb.pooling_mode == PoolingMode.NONE and clip is not None:
-            raise NotImplementedError(
-                f"fused table(s) {tables} are unpooled lookups in a gradient clipping set; pin them to the "
-                "fallback (fallback_tables=[...])"
-            )
         self.emb, self.tables, self.clip, self.accumulation = emb, tables, clip, accumulation
         self.on_update = on_update
         self.pending: list[tuple[Lookup, torch.Tensor]] = []  # the open window's micro-batches
@@ -111,7 +105,7 @@ class HeldBackward:
         replay = None
         if self.pending:
             window, self.pending = [*self.pending, (lookup, grad)], []
-            lookup, grad = concatenate_lookups(window, len(self.emb.feature_table_map))
+            lookup, grad = concatenate_lookups(window, len(self.emb.feature_table_map), self.emb.pooling_mode)
             replay = lookup
         if self.clip is None:
             self._update(output, replay, grad)
@@ -148,23 +142,3 @@ class _Held(torch.autograd.Function):
         held_backward.backward(output, lookup, grad)
         return None, None, None
 
-
-def concatenate_lookups(window: list[tuple[Lookup, torch.Tensor]], features: int) -> tuple[Lookup, torch.Tensor]:
-    """One lookup over a window's micro-batches (feature-major: each feature's bags of every
-    micro-batch, in order), and its output gradient (the micro-batches' rows, in order)."""
-    index_parts, weight_parts, length_parts = [], [], []
-    for f in range(features):
-        for (indices, offsets, weights), grad in window:
-            batch = grad.shape[0]
-            start, end = int(offsets[f * batch]), int(offsets[(f + 1) * batch])
-            index_parts.append(indices[start:end])
-            if weights is not None:
-                weight_parts.append(weights[start:end])
-            length_parts.append(offsets[f * batch + 1 : (f + 1) * batch + 1] - offsets[f * batch : (f + 1) * batch])
-    offsets = window[0][0][1]
-    lengths = torch.cat(length_parts)
-    joined = torch.cat([offsets.new_zeros(1), torch.cumsum(lengths, 0).to(offsets.dtype)])
-    has_weights = window[0][0][2] is not None
-    assert all((w[0][2] is not None) == has_weights for w in window), "per-sample weights in some micro-batches only"
-    weights = torch.cat(weight_parts) if has_weights else None
-    return (torch.cat(index_parts), joined, weights), torch.cat([grad for _, grad in window])

@@ -34,6 +34,7 @@ import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch import nn
 
+from sharders.pooling import is_pooled
 
 __all__ = ["row_partial_norm"]
 
@@ -46,9 +47,9 @@ def row_partial_norm(
     per_sample_weights: torch.Tensor | None,
     norm_type: float,
 ) -> torch.Tensor:
-    """``sum |g|^p`` (``max |g|`` for inf) over the summed gradients of the rows a pooled
-    TBE lookup touched, from its output gradient ``grad`` ``[batch, dims]``: what the
-    kernel's tables' coalesced gradients add to the norm. One float64 element.
+    """``sum |g|^p`` (``max |g|`` for inf) over the summed gradients of the rows a TBE lookup
+    touched, from its output gradient ``grad`` (``[batch, dims]`` pooled, ``[ids, dim]``
+    unpooled): what the kernel's tables' coalesced gradients add to the norm. One float64 element.
 
     The ids are sorted once; then, a cache-sized chunk of whole rows at a time, each id's
     bag gradient is gathered, weighted, summed per row and normed. Neither one row per id
@@ -62,6 +63,9 @@ def row_partial_norm(
     rows = indices.long().clone()  # one id space over the kernel's tables (features of one table share it)
     for f, base in enumerate(emb.hash_size_cumsum.tolist()[:features]):
         rows[starts[f] : starts[f + 1]] += base
+    if not is_pooled(emb.pooling_mode):  # each id's own output row is its gradient
+        source = torch.arange(indices.numel(), device=grad.device)
+        return _sorted_row_partial(grad.reshape(indices.numel(), -1), rows, source, None, norm_type).reshape(1)
     weights = None if per_sample_weights is None else per_sample_weights.to(grad.dtype)
     if emb.pooling_mode == PoolingMode.MEAN:
         inverse = 1.0 / lengths[bag].to(grad.dtype)

@@ -189,6 +189,11 @@ class BuildContext:
     round: EndOfBackwardRound
     tables: dict[str, TableKernel]
     accumulation: Accumulation = dataclasses.field(default_factory=Accumulation)
+    tables_attr: str = "embedding_bags"  # where the sharded module keeps its tables (``embeddings`` for an EC)
+
+    def table_module(self, table: str) -> nn.Module:
+        """The sharded module's submodule that holds ``table``'s weight."""
+        return getattr(self.sharded, self.tables_attr)[table]
 
 
 _KINDS: dict[KernelKind, type[TableKernel]] = {}

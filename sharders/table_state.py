@@ -1,6 +1,6 @@
 """The optimizer state of sharded tables, in the form torch.optim gives the unsharded model.
 
-Every model-parallel table of a sharded EmbeddingBagCollection presents its
+Every model-parallel table of a sharded collection (EBC or EC) presents its
 state under ``torch.optim``'s names (``sum``, ``exp_avg``, ``step``...) with
 the shapes ``torch.optim`` would give the whole table, whatever the kernel or
 the plan:
@@ -50,7 +50,7 @@ class _Table:
 
 
 class ShardedTables:
-    """The model-parallel tables of one sharded EBC and their torch.optim-form state.
+    """The model-parallel tables of one sharded collection and their torch.optim-form state.
 
     Built from the module's table kernels: a kernel with ``sharded_state`` gives its
     state layout and its local shards' state objects; no kind is special here.
@@ -58,8 +58,11 @@ class ShardedTables:
     table lives on another rank: call it on every rank.
     """
 
-    def __init__(self, weights: dict[str, Any], kernels: dict[str, TableKernel], process_group: Any) -> None:
-        self.process_group = process_group
+    def __init__(
+        self, weights: dict[str, Any], kernels: dict[str, TableKernel], process_group: Any, tables_attr: str = "embedding_bags"
+    ) -> None:
+        """``tables_attr``: where the sharded module keeps its tables (``embeddings`` for an EC)."""
+        self.process_group, self.tables_attr = process_group, tables_attr
         self.weights = {name: w for name, w in weights.items() if kernels[name].sharded_state}
         self.tables: dict[str, _Table] = {}
         for name, weight in self.weights.items():
@@ -76,12 +79,12 @@ class ShardedTables:
             )
 
     def keys(self) -> list[str]:
-        """Table keys, relative to the sharded module: ``embedding_bags.<table>.weight``."""
-        return [f"embedding_bags.{t}.weight" for t in self.tables]
+        """Table keys, relative to the sharded module: ``<tables_attr>.<table>.weight``."""
+        return [f"{self.tables_attr}.{t}.weight" for t in self.tables]
 
     def weight(self, key: str) -> Any:
         """The table's weight (TorchRec's ``ShardedTensor``) for a key of :meth:`keys`."""
-        return self.weights[_table_of(key)]
+        return self.weights[self._table_of(key)]
 
     def groups(self) -> Iterator[tuple[str, AnnotationGroup]]:
         for key, table in zip(self.keys(), self.tables.values()):
@@ -124,7 +127,7 @@ class ShardedTables:
 
     def check(self, key: str, saved: dict[str, Any]) -> None:
         """Raise ValueError, naming ``key``, if ``saved`` cannot be loaded into this table."""
-        table = self.tables[_table_of(key)]
+        table = self.tables[self._table_of(key)]
         if not saved:
             return
         expected = set(table.row_names) | set(table.scalar_names)
@@ -143,7 +146,7 @@ class ShardedTables:
 
     def load(self, key: str, saved: dict[str, Any]) -> None:
         """Copy ``saved`` (already checked) into the kernels' state."""
-        table = self.tables[_table_of(key)]
+        table = self.tables[self._table_of(key)]
         for piece in table.pieces:
             rows = {name: self._slice(saved[name], table, name, piece) for name in table.row_names}
             scalars = {n: v for n, v in saved.items() if n not in table.row_names}
@@ -194,9 +197,8 @@ class ShardedTables:
             for shard in value.local_shards():
                 if list(shard.metadata.shard_offsets) == offsets and list(shard.metadata.shard_sizes) == sizes:
                     return shard.tensor
-            raise ValueError(f"embedding_bags.{table.name}.weight.{name}: no local piece at offsets {offsets}")
+            raise ValueError(f"{self.tables_attr}.{table.name}.weight.{name}: no local piece at offsets {offsets}")
         return value[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
 
-
-def _table_of(key: str) -> str:
-    return key[len("embedding_bags.") : -len(".weight")]
+    def _table_of(self, key: str) -> str:
+        return key[len(self.tables_attr) + 1 : -len(".weight")]

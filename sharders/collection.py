@@ -1,0 +1,257 @@
+"""What our two sharders share: every table of a collection gets exactly its torch.optim update.
+
+:class:`CollectionSharder` is mixed into TorchRec's sharder of one collection
+(``EmbeddingBagCollectionSharder`` in :mod:`sharders.embeddingbag`,
+``EmbeddingCollectionSharder`` in :mod:`sharders.embedding`). A collection is
+told apart only by :attr:`CollectionSharder.tables_attr` (where its tables sit:
+``embedding_bags`` or ``embeddings``) and :meth:`CollectionSharder.table_configs`;
+the lookup's shape (pooled or not) is the kernels' business (:mod:`sharders.pooling`).
+TorchRec shards; then, for every table:
+
+- its annotation is translated by :mod:`sharders.optimizer_table` into one
+  kernel kind (:mod:`sharders.kernels`): fusable settings reach FBGEMM translated
+  name by name (tables with equal settings share one fused TBE), everything else
+  goes to the fallback kernel (grouped by setting in the same way). Nothing
+  untranslated reaches FBGEMM;
+- each kind takes over TorchRec's kernels of its tables and installs what it
+  needs: the data-parallel hook, the end-of-backward round, clipping, the
+  ``no_step`` window.
+
+A table whose weight has ``requires_grad=False`` is frozen (:mod:`sharders.frozen`).
+A fusable table can be pinned to the fallback, by name (``fallback_tables=``) or
+by a plan that gives it compute kernel "dense"; any other kernel in the plan is
+replaced by the decision above. ``dense_tables=`` names tables that step every
+row of their shard on every batch (dense semantics, in the fallback).
+
+A table with no annotation gets TorchRec's dense kernel (or, data-parallel, plain
+DDP): its gradient is handed back on the sharded weight's ``.grad`` for the
+user's own optimizer (see ``overlap_optim.unoptimized_parameters``); stock
+TorchRec would silently train it with FBGEMM's default SGD.
+
+Refused at sharding time, with the table's name: an optimizer that needs a
+closure, and a table split into row (column) shards whose optimizer the optimizer
+model (:mod:`overlap_optim.spec`) finds not separable by rows (columns) and that
+has no cross-shard form.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
+
+from overlap_optim import plans
+from overlap_optim.clipping import mark_taken
+from overlap_optim.round import EndOfBackwardRound, arm_in_backward
+from overlap_optim.spec import AnnotationGroup
+from sharders import _private
+from sharders._private import kernels_of
+from sharders.cross_shard import CrossShardTable  # noqa: F401 - registers the kind
+from sharders.data_parallel import DataParallelTable  # noqa: F401 - registers the kind
+from sharders.fallback import DenseTable, LazyTable  # noqa: F401 - register the kinds
+from sharders.fbgemm import FusedTable  # noqa: F401 - registers the kind
+from sharders.frozen import FrozenTable  # noqa: F401 - registers the kind
+from sharders.kernels import Accumulation, BuildContext, TableKernel, kernel_class
+from sharders.live_settings import install_settings_check
+from sharders.optimizer_table import decide
+from sharders.plan import ShardedModulePlan
+from sharders.table_state import ShardedTables
+
+__all__ = ["CollectionSharder"]
+
+
+class CollectionSharder:
+    """Mixed into a TorchRec sharder (listed before it); see the module doc."""
+
+    tables_attr: ClassVar[str]  # the collection's ModuleDict of tables, sharded or not
+
+    def __init__(
+        self,
+        fused_params: dict[str, Any] | None = None,
+        *,
+        fallback_tables: Iterable[str] = (),
+        dense_tables: Iterable[str] = (),
+        **kwargs: Any,
+    ) -> None:
+        """
+        Args:
+            fused_params: TorchRec's, without optimizer settings (annotate the tables instead).
+            fallback_tables: tables to run in the fallback even where FBGEMM could fuse them.
+            dense_tables: tables to run with dense semantics (in the fallback; see the module doc).
+            **kwargs: TorchRec's other arguments.
+
+        Raises:
+            TypeError: a table list given as one string.
+            ValueError: ``fused_params`` that set an optimizer.
+        """
+        for option, names in (("fallback_tables", fallback_tables), ("dense_tables", dense_tables)):
+            if isinstance(names, str):
+                raise TypeError(f"{option} takes table names, got the string {names!r}")
+        self.fallback_tables = frozenset(fallback_tables)
+        self.dense_tables = frozenset(dense_tables)
+        optimizer_keys = sorted(set(fused_params or {}) & {"optimizer", "learning_rate", "eps", "weight_decay"})
+        if optimizer_keys:
+            raise ValueError(
+                f"fused_params {optimizer_keys} set an optimizer for every table; annotate the tables "
+                "with overlap_optim.apply_optimizer_in_backward instead"
+            )
+        super().__init__(fused_params=fused_params, **kwargs)
+
+    def table_configs(self, module: nn.Module) -> list[Any]:
+        """The collection's table configs, in order."""
+        raise NotImplementedError
+
+    def adapt_kernels(self, sharded: nn.Module) -> None:
+        """Change TorchRec's kernels that no kind took over, where the collection's lookup needs it
+        (after every kind adopted its kernels). Nothing, by default."""
+
+    def table_module(self, module: nn.Module, table: str) -> nn.Module:
+        """The module that holds ``table``'s weight, in the collection or its sharded form."""
+        return getattr(module, self.tables_attr)[table]
+
+    def shard(
+        self,
+        module: nn.Module,
+        params: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> nn.Module:
+        device = device or torch.device("cpu")
+        tables = self._table_kernels(module, params, device.type)
+        params = {name: _with_kernel(sharding, tables.get(name)) for name, sharding in params.items()}
+        with self._translated_annotations(module, tables):
+            sharded = super().shard(module, params, env, device, module_fqn)
+        for table in tables.values():  # the sharded module holds the tables now
+            weight = self.table_module(module, table.table).weight
+            _leave_group(weight)
+            if table.clip is not None:
+                table.clip.leave(weight, table.table)
+        mark_taken(sharded.parameters(), f"the {type(self).__name__}")
+        context = BuildContext(
+            sharded, env.process_group, device.type, EndOfBackwardRound(env.process_group), tables,
+            tables_attr=self.tables_attr,
+        )
+        _build(context)
+        self.adapt_kernels(sharded)
+        install_settings_check(sharded, tables)
+        state = ShardedTables(_private.sharded_weights(sharded), tables, env.process_group, self.tables_attr)
+        data_parallel = tuple(m for m in _private.lookups(sharded) if isinstance(m, DistributedDataParallel))
+        plans.install_plan(
+            sharded, ShardedModulePlan(tables, context.round, state, context.accumulation, data_parallel)
+        )
+        return sharded
+
+    def _table_kernels(
+        self, module: nn.Module, params: dict[str, ParameterSharding], device_type: str
+    ) -> dict[str, TableKernel]:
+        """Each table's decision (:func:`sharders.optimizer_table.decide`), as its kind's kernel object."""
+        torch_made: dict[str, AnnotationGroup] = {}
+        decisions = {}
+        for config in self.table_configs(module):
+            sharding = params[config.name]
+            shards = sharding.sharding_spec.shards if sharding.sharding_spec is not None else []
+            decisions[config.name] = decide(
+                config.name, self.table_module(module, config.name).weight, sharding.sharding_type,
+                [list(s.shard_offsets) for s in shards], sharding.compute_kernel,
+                (config.num_embeddings, config.embedding_dim), device_type, torch_made,
+                pinned=self.fallback_tables, dense=self.dense_tables,
+            )
+        for option, names in (("fallback_tables", self.fallback_tables), ("dense_tables", self.dense_tables)):
+            unknown = sorted(names - set(decisions))
+            if unknown:
+                raise ValueError(f"{option} names tables this module does not have: {unknown}")
+        unannotated = sorted(n for n in self.dense_tables & set(decisions) if decisions[n].group is None)
+        if unannotated:
+            raise ValueError(
+                f"dense_tables names tables with no in-backward optimizer: {unannotated}; their gradient "
+                "goes to your own optimizer, which decides their semantics"
+            )
+        return {name: kernel_class(d.kind)(d) for name, d in decisions.items()}
+
+    @contextlib.contextmanager
+    def _translated_annotations(self, module: nn.Module, tables: dict[str, TableKernel]) -> Iterator[None]:
+        """While TorchRec shards, each table's annotation reads as its kind's fused params.
+
+        TorchRec maps ``_optimizer_classes[0]`` itself and passes every other kwarg
+        to FBGEMM untranslated; with the class hidden and the kwargs replaced, it
+        passes exactly what the table's kind asks for, and groups tables into
+        kernels by their kind's :meth:`~sharders.kernels.TableKernel.batch_key`.
+        """
+        saved = {}
+        tokens: dict[Any, int] = {}  # numbered by first table: the same on every rank
+        for name, table in tables.items():
+            weight = self.table_module(module, name).weight
+            saved[name] = {a: weight.__dict__[a] for a in ("_optimizer_classes", "_optimizer_kwargs") if a in weight.__dict__}
+            weight._optimizer_classes = [None]
+            batch = {_private.BATCH_KEY: f"overlap_optim:{tokens.setdefault(table.batch_key(), len(tokens))}"}
+            weight._optimizer_kwargs = [{**table.fbgemm_kwargs(), **batch}]
+        try:
+            yield
+        finally:
+            for name, attrs in saved.items():
+                weight = self.table_module(module, name).weight
+                for attr in ("_optimizer_classes", "_optimizer_kwargs"):
+                    weight.__dict__.pop(attr, None)
+                weight.__dict__.update(attrs)
+
+
+def _build(context: BuildContext) -> None:
+    """Each kind takes over TorchRec's kernels of its tables, then installs what it needs."""
+    for table in context.tables.values():  # the same order and sizes on every rank
+        table.join_round(context.round)
+    model_parallel = [k for lookup, k in kernels_of(context.sharded) if not isinstance(lookup, DistributedDataParallel)]
+    for kernel in model_parallel:
+        tables = [context.tables[t.name] for t in kernel.config.embedding_tables]
+        adopt = type(tables[0]).adopt
+        assert all(type(t).adopt == adopt for t in tables), f"one TorchRec kernel, several kinds: {tables}"
+        adopt(kernel, tables, context)
+    arms = [context.round.arm] if context.round.slots else []
+    clips = {t.clip.order: t.clip for t in context.tables.values() if t.clip is not None and t.clip.by_norm}
+    arms += [clip.arm for _, clip in sorted(clips.items())]  # the same on every rank
+    if arms:
+        _arm_from(model_parallel, [_unless(context.accumulation, arm) for arm in arms])
+    by_kind: dict[type[TableKernel], list[TableKernel]] = {}
+    for table in context.tables.values():
+        by_kind.setdefault(type(table), []).append(table)
+    for cls, tables in by_kind.items():
+        cls.install(tables, context)
+
+
+def _arm_from(kernels: list[nn.Module], arms: list[Callable[[], None]]) -> None:
+    """Every rank arms the module's round, and the clipping sets of its tables, from the backward
+    of each kernel it runs: all take part in the same collectives, tables held or not."""
+    if not kernels:
+        raise ValueError(
+            "this rank runs no kernel of a module whose split tables use a layer-wise optimizer, or whose tables "
+            "are clipped by norm, so it could not take part in their round; give every rank at least one table "
+            "of that module"
+        )
+    for kernel in kernels:
+        kernel.register_forward_hook(lambda module, args, output: arm_in_backward(output, arms))
+
+
+def _unless(accumulation: Accumulation, arm: Callable[[], None]) -> Callable[[], None]:
+    """``arm``, except inside ``no_step``: the round runs at the window's last micro-batch."""
+    return lambda: None if accumulation.active else arm()
+
+
+def _with_kernel(sharding: ParameterSharding, table: TableKernel | None) -> ParameterSharding:
+    """The plan's sharding with the compute kernel the table's kind runs in."""
+    if table is None or sharding.sharding_type == ShardingType.DATA_PARALLEL.value or table.compute_kernel is None:
+        return sharding
+    return dataclasses.replace(sharding, compute_kernel=EmbeddingComputeKernel(table.compute_kernel).value)
+
+
+def _leave_group(weight: torch.Tensor) -> None:
+    group = getattr(weight, "_overlap_group", None)
+    if group is not None:
+        params = group.param_group["params"]
+        params[:] = [p for p in params if p is not weight]
