@@ -5,12 +5,13 @@ Arrows run from ``sharders`` to ``overlap_optim``, never back.
 
 from sharders.data_parallel import DataParallelWrapper
 from sharders.describe import describe
+from sharders.embedding import EmbeddingCollectionSharder
 from sharders.embeddingbag import EmbeddingBagCollectionSharder
 from sharders.kernels import KernelChoice, KernelKind, TableDecision, TableKernel
 from sharders.optimizer_table import choose_kernel
 from sharders.plan import ShardedModulePlan, plan_of
 
 __all__ = [
-    "DataParallelWrapper", "describe", "EmbeddingBagCollectionSharder", "KernelChoice", "KernelKind", "TableDecision",
+    "DataParallelWrapper", "describe", "EmbeddingBagCollectionSharder", "EmbeddingCollectionSharder", "KernelChoice", "KernelKind", "TableDecision",
     "TableKernel", "ShardedModulePlan", "choose_kernel", "plan_of",
 ]

@@ -28,6 +28,7 @@ from overlap_optim.local_sgd import QSR
 from overlap_optim.spec import AnnotationGroup
 from sharders import _private
 from sharders.kernels import BuildContext, KernelKind, TableKernel
+from sharders.managed_collision import refuse_managed_collision
 
 __all__ = ["DataParallelTable", "DataParallelWrapper"]
 
@@ -106,6 +107,9 @@ class DataParallelWrapper(DefaultDataParallelWrapper):
     parameter is updated by its optimizer right after its bucket is all-reduced
     and averaged. Unannotated parameters keep their averaged gradient.
 
+    A model with a managed-collision collection is refused here, naming it
+    (:mod:`sharders.managed_collision`).
+
     A model built on the meta device keeps its annotations: DMP's
     ``init_parameters`` replaces each meta parameter with a new one, and the
     wrapper annotates the new parameter as its predecessor was (by FQN). The
@@ -125,6 +129,7 @@ class DataParallelWrapper(DefaultDataParallelWrapper):
         self._recording = _record_when_registered(self)
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
+        refuse_managed_collision(dmp.module)
         reattach_annotations(dmp.module, dmp.__dict__.pop(_RECORDED, {}))
         comm = self._allreduce_comm_precision or "allreduce"
         self._allreduce_comm_precision = None  # TorchRec would register its own compress hook

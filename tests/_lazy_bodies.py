@@ -16,7 +16,7 @@ from torchrec import KeyedJaggedTensor
 
 import sharders
 from _models import ROWS, concat_batches, loss_of
-from _sharded_parity import build
+from _sharded_parity import FAMILIES, build
 
 ADAM_LR, BETA2 = 0.05, 0.999
 # table -> (our annotation, the reference's torch optimizer and its kwargs)
@@ -85,17 +85,17 @@ class Reference:
     def __init__(self, model, optimizers: dict[str, tuple[type, dict]], dense_tables=(), rescale_eps=()):
         self.model = copy.deepcopy(model)
         for name in NAMES:
-            self.model.ebc.embedding_bags[name].sparse = name not in dense_tables
-        self.opts = {n: cls(self.model.ebc.embedding_bags[n].parameters(), **kw) for n, (cls, kw) in optimizers.items()}
+            self.model.tables[name].sparse = name not in dense_tables
+        self.opts = {n: cls(self.model.tables[n].parameters(), **kw) for n, (cls, kw) in optimizers.items()}
         self.rescale_eps = {n: self.opts[n].param_groups[0]["eps"] for n in rescale_eps}
 
     def weight(self, name):
-        return self.model.ebc.embedding_bags[name].weight.detach()
+        return self.model.tables[name].weight.detach()
 
     def train_step(self, batch, t: int) -> dict[str, str]:
         """Step ``t`` (1-based); returns each table's gradient layout (sparse or strided)."""
         loss_of(self.model, batch).backward()
-        layouts = {n: str(self.model.ebc.embedding_bags[n].weight.grad.layout) for n in NAMES}
+        layouts = {n: str(self.model.tables[n].weight.grad.layout) for n in NAMES}
         for name, opt in self.opts.items():
             if name in self.rescale_eps:
                 opt.param_groups[0]["eps"] = self.rescale_eps[name] * math.sqrt(1 - BETA2**t)
@@ -110,7 +110,7 @@ def local_pieces(dmp) -> dict[str, list[tuple[int, int, torch.Tensor]]]:
     state = dmp.state_dict()
     out = {}
     for name in NAMES:
-        value = state[f"ebc.embedding_bags.{name}.weight"]
+        value = state[dmp.module.table_key(name)]
         out[name] = ([(s.metadata.shard_offsets[0], s.metadata.shard_offsets[1], s.tensor) for s in value.local_shards()]
                      if isinstance(value, ShardedTensor) else [(0, 0, value)])
     return out
@@ -129,13 +129,13 @@ def _diffs(pieces, reference: Reference, names) -> dict[str, float]:
     return out
 
 
-def lazy_run(rank: int, world_size: int, sharding_type: str) -> dict:
+def lazy_run(rank: int, world_size: int, sharding_type: str, family: str = "ebc") -> dict:
     """Train ours and three references side by side for STEPS steps; per step, how far ours is
     from each (``diff``: the torch sparse optimizers; ``plain_diff``: SparseAdam with eps not
     rescaled; ``dense_diff``: torch.optim.Adam on dense gradients) and which rows moved."""
     settings = [CASES[n][0] for n in NAMES]
-    sharder = sharders.EmbeddingBagCollectionSharder(fallback_tables=list(PINNED))
-    dmp, start_model, _ = build(NAMES, settings, sharding_type, world_size, sharder=sharder)
+    sharder = FAMILIES[family][1](fallback_tables=list(PINNED))
+    dmp, start_model, _ = build(NAMES, settings, sharding_type, world_size, sharder=sharder, family=family)
     kernels = {}
     for module in dmp.modules():
         for name, decision in (getattr(sharders.plan_of(module), "tables", None) or {}).items():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
 ROWS = 12
 DIM = 4
@@ -79,6 +79,14 @@ class ManyTableModel(nn.Module):
         self.dense = nn.Sequential(nn.Linear(len(names) * dim, 4, device=device), nn.Tanh(),
                                    nn.Linear(4, 1, device=device))
 
+    @property
+    def tables(self) -> nn.ModuleDict:
+        return self.ebc.embedding_bags
+
+    @staticmethod
+    def table_key(name: str) -> str:
+        return f"ebc.embedding_bags.{name}.weight"
+
     def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
         pooled = self.ebc(kjt)
         return self.dense(torch.cat([pooled[f"f_{n}"] for n in self.names], dim=1)).squeeze(1)
@@ -115,3 +123,81 @@ def concat_batches(parts: list[tuple[KeyedJaggedTensor, torch.Tensor]]) -> tuple
             values.append(jt.values())
     kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
     return kjt, torch.cat([t for _, t in parts])
+
+
+class ManySequenceModel(nn.Module):
+    """``len(names)`` tables of an EmbeddingCollection, ``ec.embeddings[name]`` (one feature
+    ``f_<name>`` each), and an MLP. Each sample's ids are weighted by their position,
+    ``1 / (1 + position)``, and summed: every id's row gets its own gradient, as in a sequence
+    model, which pooling would not give."""
+
+    def __init__(self, names: list[str], rows: int = ROWS, dim: int = 8, seed: int = 0, device: str = "cpu") -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.names = list(names)
+        configs = [
+            EmbeddingConfig(name=n, embedding_dim=dim, num_embeddings=rows, feature_names=[f"f_{n}"])
+            for n in self.names
+        ]
+        self.ec = EmbeddingCollection(tables=configs, device=torch.device(device))
+        self.dense = nn.Sequential(nn.Linear(len(names) * dim, 4, device=device), nn.Tanh(),
+                                   nn.Linear(4, 1, device=device))
+
+    @property
+    def tables(self) -> nn.ModuleDict:
+        return self.ec.embeddings
+
+    @staticmethod
+    def table_key(name: str) -> str:
+        return f"ec.embeddings.{name}.weight"
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        sequences = self.ec(kjt)
+        return self.dense(torch.cat([position_weighted(sequences[f"f_{n}"]) for n in self.names], dim=1)).squeeze(1)
+
+
+def position_weighted(jt) -> torch.Tensor:
+    """``[batch, dim]``: each sample's rows times ``1 / (1 + position)``, summed."""
+    lengths, values = jt.lengths(), jt.values()
+    sample = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    position = torch.arange(values.shape[0]) - starts[sample]
+    weighted = values / (1.0 + position.to(values.dtype))[:, None]
+    return values.new_zeros(lengths.numel(), values.shape[1]).index_add(0, sample, weighted)
+
+
+class MixedModel(nn.Module):
+    """An EmbeddingBagCollection (``ebc``) and an EmbeddingCollection (``ec``) in one model, and
+    an MLP: tables named ``ec_...`` go to the EC (position-weighted, as ``ManySequenceModel``),
+    the others to the EBC (sum-pooled). One feature ``f_<name>`` per table."""
+
+    def __init__(self, names: list[str], rows: int = ROWS, dim: int = 8, seed: int = 0, device: str = "cpu") -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.names = list(names)
+        bags = [n for n in names if not n.startswith("ec_")]
+        sequences = [n for n in names if n.startswith("ec_")]
+        self.ebc = EmbeddingBagCollection(tables=[
+            EmbeddingBagConfig(name=n, embedding_dim=dim, num_embeddings=rows, feature_names=[f"f_{n}"]) for n in bags
+        ], device=torch.device(device))
+        self.ec = EmbeddingCollection(tables=[
+            EmbeddingConfig(name=n, embedding_dim=dim, num_embeddings=rows, feature_names=[f"f_{n}"]) for n in sequences
+        ], device=torch.device(device))
+        self.dense = nn.Sequential(nn.Linear(len(names) * dim, 4, device=device), nn.Tanh(),
+                                   nn.Linear(4, 1, device=device))
+
+    @property
+    def tables(self) -> dict[str, nn.Module]:
+        return {**self.ebc.embedding_bags, **self.ec.embeddings}
+
+    @staticmethod
+    def table_key(name: str) -> str:
+        return f"ec.embeddings.{name}.weight" if name.startswith("ec_") else f"ebc.embedding_bags.{name}.weight"
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        bag_names = [n for n in self.names if not n.startswith("ec_")]
+        seq_names = [n for n in self.names if n.startswith("ec_")]
+        pooled = self.ebc(KeyedJaggedTensor.from_jt_dict({f"f_{n}": kjt[f"f_{n}"] for n in bag_names}))
+        sequences = self.ec(KeyedJaggedTensor.from_jt_dict({f"f_{n}": kjt[f"f_{n}"] for n in seq_names}))
+        parts = {**{n: pooled[f"f_{n}"] for n in bag_names}, **{n: position_weighted(sequences[f"f_{n}"]) for n in seq_names}}
+        return self.dense(torch.cat([parts[n] for n in self.names], dim=1)).squeeze(1)

@@ -12,14 +12,29 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterCons
 
 import overlap_optim
 import sharders
-from _models import ManyTableModel, concat_batches, covering_batch, loss_of
+from _models import ManySequenceModel, ManyTableModel, MixedModel, concat_batches, covering_batch, loss_of
 from overlap_optim import apply_optimizer_in_backward
 
 COLUMN_SPLITTING = ("column_wise", "table_column_wise")
 
+def _both_sharders(**kwargs):
+    """The EBC and EC sharders, for a model with both; each is given only its own tables."""
+    def own(table_names, ec):
+        return [n for n in table_names if n.startswith("ec_") == ec]
+    return [sharders.EmbeddingBagCollectionSharder(**{k: own(v, False) for k, v in kwargs.items()}),
+            sharders.EmbeddingCollectionSharder(**{k: own(v, True) for k, v in kwargs.items()})]
+
+
+# A collection family: its test model and our sharder(s) of it.
+FAMILIES = {
+    "ebc": (ManyTableModel, sharders.EmbeddingBagCollectionSharder),
+    "ec": (ManySequenceModel, sharders.EmbeddingCollectionSharder),
+    "mixed": (MixedModel, _both_sharders),  # tables named ec_... in the EC
+}
+
 
 def build(names, settings, sharding_type, world_size, sharder=None, dense=None, comm=None, together=False,
-          pinned_dense=(), seed=0, dense_layers=(0,), dim=8):
+          pinned_dense=(), seed=0, dense_layers=(0,), dim=8, family="ebc", dense_tables=()):
     """(sharded DMP model, unsharded reference, reference optimizers) from one seed.
 
     ``sharding_type``: one for every table, or a dict table -> type.
@@ -27,32 +42,36 @@ def build(names, settings, sharding_type, world_size, sharder=None, dense=None, 
     ``together``: annotate all tables in one call (one param group; settings must agree).
     ``pinned_dense``: tables the sharder pins to the fallback (``fallback_tables``).
     ``dim``: the tables' width; shards are at least 4 rows or columns (16: four column shards).
+    ``family``: "ebc" (an EmbeddingBagCollection) or "ec" (an EmbeddingCollection, see ``FAMILIES``).
+    ``dense_tables``: tables the sharder runs with dense semantics.
     """
-    model = ManyTableModel(names, seed=seed, dim=dim)
+    model_class, sharder_class = FAMILIES[family]
+    model = model_class(names, seed=seed, dim=dim)
     reference = copy.deepcopy(model)
     if together:
-        apply_optimizer_in_backward(*settings[0][:1], [model.ebc.embedding_bags[n].weight for n in names], settings[0][1])
+        apply_optimizer_in_backward(*settings[0][:1], [model.tables[n].weight for n in names], settings[0][1])
     for name, (cls, kwargs) in zip(names, settings):
         if not together:
-            apply_optimizer_in_backward(cls, model.ebc.embedding_bags[name].parameters(), kwargs)
-    ref_opts = [cls(reference.ebc.embedding_bags[n].parameters(), **kw) for n, (cls, kw) in zip(names, settings)]
+            apply_optimizer_in_backward(cls, model.tables[name].parameters(), kwargs)
+    ref_opts = [cls(reference.tables[n].parameters(), **kw) for n, (cls, kw) in zip(names, settings)]
     wrapper = {}
     if dense is not None:  # the MLP's dense_layers annotated (dense[2] left to a user optimizer by default)
         apply_optimizer_in_backward(dense[0], [p for i in dense_layers for p in model.dense[i].parameters()], dense[1])
         ref_opts.append(dense[0]([p for i in dense_layers for p in reference.dense[i].parameters()], **dense[1]))
         wrapper = {"data_parallel_wrapper": sharders.DataParallelWrapper(allreduce_comm_precision=comm)}
-    sharder = sharder or sharders.EmbeddingBagCollectionSharder(fallback_tables=pinned_dense)
+    sharder = sharder or sharder_class(fallback_tables=pinned_dense, dense_tables=dense_tables)
     types = sharding_type if isinstance(sharding_type, dict) else dict.fromkeys(names, sharding_type)
     constraints = {n: ParameterConstraints(sharding_types=[types[n]], min_partition=4) for n in names}
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
         constraints=constraints,
     )
-    plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder], **wrapper)
+    sharder_list = sharder if isinstance(sharder, list) else [sharder]
+    plan = planner.collective_plan(model, sharder_list, dist.group.WORLD)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharder_list, **wrapper)
     with torch.no_grad():  # sharding re-initialises tables: start both from the reference's weights
         for name in names:
-            ref = reference.ebc.embedding_bags[name].weight
+            ref = reference.tables[name].weight
             for row, col, piece in local_pieces(dmp, name):
                 piece.copy_(ref[row : row + piece.shape[0], col : col + piece.shape[1]])
     return dmp, reference, ref_opts
@@ -71,7 +90,7 @@ def shard_like_reference(model, reference, names, types, world_size, sharder=Non
                                    data_parallel_wrapper=sharders.DataParallelWrapper())
     with torch.no_grad():  # sharding re-initialises tables
         for name in names:
-            ref = reference.ebc.embedding_bags[name].weight
+            ref = reference.tables[name].weight
             for row, col, piece in local_pieces(dmp, name):
                 piece.copy_(ref[row : row + piece.shape[0], col : col + piece.shape[1]])
     return dmp
@@ -79,7 +98,7 @@ def shard_like_reference(model, reference, names, types, world_size, sharder=Non
 
 def local_pieces(dmp, name):
     """[(row offset, col offset, local tensor)] of table ``name`` held by this rank."""
-    value = dmp.state_dict()[f"ebc.embedding_bags.{name}.weight"]
+    value = dmp.state_dict()[dmp.module.table_key(name)]
     if isinstance(value, ShardedTensor):
         return [(s.metadata.shard_offsets[0], s.metadata.shard_offsets[1], s.tensor) for s in value.local_shards()]
     return [(0, 0, value)]
@@ -98,7 +117,7 @@ def compare(dmp, reference, names, step, atol=1e-5, diffs=None):
         dense_diff = max(dense_diff, diff)
         assert diff <= atol, f"step {step}, dense.{name}: max diff {diff:.3g} from torch.optim"
     for name in names:
-        ref = reference.ebc.embedding_bags[name].weight.detach()
+        ref = reference.tables[name].weight.detach()
         for row, col, piece in local_pieces(dmp, name):
             want = ref[row : row + piece.shape[0], col : col + piece.shape[1]]
             diff = (piece - want).abs().max().item() if piece.numel() else 0.0
@@ -139,7 +158,7 @@ def warmup_then_decay(step: int) -> float:
 
 def train_and_compare(
     rank, world_size, names, settings, sharding_type, steps=3, cover=True, dense=None, comm=None, schedule=None,
-    change=None, pinned=(), dim=8, diffs=None,
+    change=None, pinned=(), dim=8, diffs=None, family="ebc", dense_tables=(),
 ):
     """Train sharded and reference side by side; compare after every step. Returns how far
     the reference moved, per table (and ``"dense"``: the MLP).
@@ -153,9 +172,9 @@ def train_and_compare(
     the MLP), to change settings by hand. ``pinned``: tables pinned to the fallback.
     """
     dmp, reference, ref_opts = build(names, settings, sharding_type, world_size, dense=dense, comm=comm,
-                                     pinned_dense=pinned, dim=dim)
+                                     pinned_dense=pinned, dim=dim, family=family, dense_tables=dense_tables)
     atol, dense_diff = (1e-3 if comm else 1e-5), 0.0  # compression costs precision everywhere
-    start = {n: reference.ebc.embedding_bags[n].weight.detach().clone() for n in names}
+    start = {n: reference.tables[n].weight.detach().clone() for n in names}
     dense_start = [p.detach().clone() for p in reference.dense.parameters()]
     schedulers, keyed = [], None
     if schedule is not None or change is not None:
@@ -187,7 +206,7 @@ def train_and_compare(
         if users:
             users[0].zero_grad()
         dense_diff = max(dense_diff, compare(dmp, reference, names, step, atol=atol, diffs=diffs))
-    moved = {n: (reference.ebc.embedding_bags[n].weight.detach() - start[n]).abs().max().item() for n in names}
+    moved = {n: (reference.tables[n].weight.detach() - start[n]).abs().max().item() for n in names}
     moved["dense_diff"] = dense_diff
     moved["dense"] = min((p.detach() - s).abs().max().item() for p, s in zip(reference.dense.parameters(), dense_start))
     return moved
@@ -196,7 +215,7 @@ def train_and_compare(
 SHARDING_TYPES = ("data_parallel", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
 
 
-def parity(rank, world_size, cases, sharding_type):
+def parity(rank, world_size, cases, sharding_type, family="ebc", steps=3):
     """Every case as its own table of one EBC on ``sharding_type``: how far each reference table
     moved, each table's differences from torch.optim after every step, and, for each case whose
     optimizer the optimizer model finds not separable along the axis ``sharding_type`` splits,
@@ -204,18 +223,18 @@ def parity(rank, world_size, cases, sharding_type):
     kept = [c for c in cases if _accepted_on(c, sharding_type)]
     diffs = {}
     moved = train_and_compare(rank, world_size, [c[0] for c in kept], [(c[1], c[2]) for c in kept], sharding_type,
-                              diffs=diffs)
-    refused = {c[0]: _refusal(c, sharding_type, world_size) for c in cases if c not in kept}
+                              diffs=diffs, family=family, steps=steps)
+    refused = {c[0]: _refusal(c, sharding_type, world_size, family) for c in cases if c not in kept}
     return {"moved": moved, "diffs": diffs, "refused": refused}
 
 
-def parity_on_partial_batches(rank, world_size, cases, sharding_type):
+def parity_on_partial_batches(rank, world_size, cases, sharding_type, family="ebc"):
     """The cases that are not row-separable (dense semantics: lazy ones differ here) again, on
     batches that touch only some rows: how far each moved, and each one's differences."""
     dense = [c for c in cases if not _row_separable(c)]
     diffs = {}
     moved = train_and_compare(rank, world_size, [c[0] for c in dense], [(c[1], c[2]) for c in dense], sharding_type,
-                              cover=False, steps=4, diffs=diffs)
+                              cover=False, steps=4, diffs=diffs, family=family)
     return {"moved": moved, "diffs": diffs}
 
 
@@ -238,9 +257,9 @@ def _row_separable(case) -> bool:
     return describe_optimizer(case[1], case[2]).row_separable
 
 
-def _refusal(case, sharding_type, world_size) -> str:
+def _refusal(case, sharding_type, world_size, family="ebc") -> str:
     try:
-        build([case[0]], [(case[1], case[2])], sharding_type, world_size)
+        build([case[0]], [(case[1], case[2])], sharding_type, world_size, family=family)
     except ValueError as err:
         return str(err)
     return "accepted"
@@ -320,7 +339,7 @@ def lazy_rows(rank, world_size, sharding_type):
                 moved_untouched.append(name)
             moved_touched = max(moved_touched, (old[~untouched] - new[~untouched]).abs().max().item() if (~untouched).any() else 0.0)
     state_changed = []
-    adam_key = "ebc.embedding_bags.adam.weight"
+    adam_key = dmp.module.table_key("adam")
     adam_row0 = before_w["adam"][0][0] if before_w["adam"] else 0
     for state_name, old in before_s.get(adam_key, {}).items():
         new = _local(opt.state_dict()["state"][adam_key][state_name])
@@ -472,7 +491,7 @@ def two_shards_per_rank(rank, world_size, directory, steps=3):
     dmp, reference, ref_opts = build(names, list(settings.values()), "column_wise", world_size, dim=16)
     keyed = overlap_optim.get_optimizers(dmp)
     pieces = {n: [(row, col, tuple(p.shape)) for row, col, p in local_pieces(dmp, n)] for n in names}
-    start = {n: reference.ebc.embedding_bags[n].weight.detach().clone() for n in names}
+    start = {n: reference.tables[n].weight.detach().clone() for n in names}
 
     def parts_of(step):
         generator = torch.Generator().manual_seed(300 + step)
@@ -485,5 +504,44 @@ def two_shards_per_rank(rank, world_size, directory, steps=3):
     checkpoint.load(directory, dmp, keyed, {})
     for step in range(steps, steps + 2):
         step_side_by_side(dmp, reference, ref_opts, names, parts_of(step), rank, step)
-    moved = {n: (reference.ebc.embedding_bags[n].weight.detach() - start[n]).abs().max().item() for n in names}
+    moved = {n: (reference.tables[n].weight.detach() - start[n]).abs().max().item() for n in names}
     return {"pieces": pieces, "moved": moved, "runs_as": sharders.describe(dmp)}
+
+
+def parity_with_round_trip(rank, world_size, cases, sharding_type, family="ec", steps=3):
+    """Every accepted case as a table of one collection on ``sharding_type``, side by side with
+    torch.optim for ``steps`` steps; then ``get_optimizers().state_dict()`` is loaded into a second
+    model, sharded alike from another seed with the first one's weights copied in, which takes one
+    more step beside the reference. Returns how far each reference table moved, each table's
+    differences (every step, the resumed one last) and the refusals, as :func:`parity`."""
+    kept = [c for c in cases if _accepted_on(c, sharding_type)]
+    names, settings = [c[0] for c in kept], [(c[1], c[2]) for c in kept]
+    dmp, reference, ref_opts = build(names, settings, sharding_type, world_size, family=family)
+    start = {n: reference.tables[n].weight.detach().clone() for n in names}
+    diffs = {}
+
+    def step(model, index):
+        generator = torch.Generator().manual_seed(100 + index)
+        parts = [covering_batch(names, generator) for _ in range(world_size)]
+        loss_of(model, parts[rank]).backward()
+        loss_of(reference, concat_batches(parts)).backward()
+        for opt in ref_opts:
+            opt.step()
+        reference.zero_grad()
+        compare(model, reference, names, index, diffs=diffs)
+
+    for index in range(steps):
+        step(dmp, index)
+    saved = overlap_optim.get_optimizers(dmp).state_dict()
+    resumed, _, _ = build(names, settings, sharding_type, world_size, family=family, seed=1)
+    with torch.no_grad():
+        for name in names:
+            for (_, _, source), (_, _, target) in zip(local_pieces(dmp, name), local_pieces(resumed, name)):
+                target.copy_(source)
+        for source, target in zip(dmp.module.dense.parameters(), resumed.module.dense.parameters()):
+            target.copy_(source)
+    overlap_optim.get_optimizers(resumed).load_state_dict(saved)
+    step(resumed, steps)
+    refused = {c[0]: _refusal(c, sharding_type, world_size, family) for c in cases if c not in kept}
+    moved = {n: (reference.tables[n].weight.detach() - start[n]).abs().max().item() for n in names}
+    return {"moved": moved, "diffs": diffs, "refused": refused}

@@ -17,8 +17,8 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 import overlap_optim
 import sharders
-from _models import ROWS, ManyTableModel, concat_batches, covering_batch, loss_of
-from _sharded_parity import SHARDING_TYPES, build, compare, local_pieces, step_side_by_side
+from _models import ROWS, concat_batches, covering_batch, loss_of
+from _sharded_parity import FAMILIES, SHARDING_TYPES, build, compare, local_pieces, step_side_by_side
 
 # Table -> its optimizer, None for a table left to the user's optimizer.
 TABLES = {
@@ -43,17 +43,17 @@ def _plan(model, sharder, types, world_size):
 def _annotate(model, tables, dense):
     for name, setting in tables.items():
         if setting is not None:
-            overlap_optim.apply_optimizer_in_backward(setting[0], model.ebc.embedding_bags[name].parameters(), setting[1])
+            overlap_optim.apply_optimizer_in_backward(setting[0], model.tables[name].parameters(), setting[1])
     if dense is not None:
         overlap_optim.apply_optimizer_in_backward(dense[0], model.dense[0].parameters(), dense[1])
 
 
 def _reference_optimizers(reference, tables, dense):
-    opts = [cls(reference.ebc.embedding_bags[n].parameters(), **kw) for n, (cls, kw) in
+    opts = [cls(reference.tables[n].parameters(), **kw) for n, (cls, kw) in
             ((n, s) for n, s in tables.items() if s is not None)]
     if dense is not None:
         opts.append(dense[0](reference.dense[0].parameters(), **dense[1]))
-    user = [p for n, s in tables.items() if s is None for p in reference.ebc.embedding_bags[n].parameters()]
+    user = [p for n, s in tables.items() if s is None for p in reference.tables[n].parameters()]
     return opts + [torch.optim.SGD(user + list(reference.dense[2].parameters()), lr=USER_LR)]
 
 
@@ -61,7 +61,7 @@ def _copy_reference_weights(dmp, reference, names):
     """Sharding (and DMP's init_parameters) re-initialise: start from the reference's values."""
     with torch.no_grad():
         for name in names:
-            ref = reference.ebc.embedding_bags[name].weight
+            ref = reference.tables[name].weight
             for row, col, piece in local_pieces(dmp, name):
                 piece.copy_(ref[row : row + piece.shape[0], col : col + piece.shape[1]])
         for ours, ref in zip((p for n, p in dmp.named_parameters() if n.startswith("dense.")),
@@ -80,16 +80,18 @@ def _train(dmp, reference, ref_opts, user, names, rank, world_size, steps=3, cov
     return {n: (p.detach() - start[n]).abs().max().item() for n, p in reference.named_parameters()}
 
 
-def combined_optimizer_run(rank, world_size, sharding_type, device="cpu"):
+def combined_optimizer_run(rank, world_size, sharding_type, device="cpu", family="ebc"):
     """Build, shard (DMP + our wrapper) and train with TorchRec's CombinedOptimizer pattern:
-    (the keys the user's optimizer got, how far each reference parameter moved)."""
+    (the keys the user's optimizer got, how far each reference parameter moved).
+    ``family``: "ebc" or "ec" (``_sharded_parity.FAMILIES``)."""
     names = list(TABLES)
-    reference = ManyTableModel(names, seed=1)
-    model = ManyTableModel(names, seed=1, device=device)
+    model_class, sharder_class = FAMILIES[family]
+    reference = model_class(names, seed=1)
+    model = model_class(names, seed=1, device=device)
     if device == "cpu":
         model.load_state_dict(reference.state_dict())
     _annotate(model, TABLES, DENSE)
-    sharder = sharders.EmbeddingBagCollectionSharder()
+    sharder = sharder_class()
     types = {n: "data_parallel" if n == "replicated" else sharding_type for n in names}
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=_plan(model, sharder, types, world_size),
                                    sharders=[sharder], data_parallel_wrapper=sharders.DataParallelWrapper())
@@ -114,7 +116,7 @@ def dense_tables(rank, world_size, sharding_type):
     names = list(DENSE_TABLES)
     sharder = sharders.EmbeddingBagCollectionSharder(dense_tables=names)
     dmp, reference, ref_opts = build(names, list(DENSE_TABLES.values()), sharding_type, world_size, sharder=sharder)
-    start = {n: reference.ebc.embedding_bags[n].weight.detach().clone() for n in names}
+    start = {n: reference.tables[n].weight.detach().clone() for n in names}
     untouched = []
     for step in range(4):
         generator = torch.Generator().manual_seed(500 + step)
@@ -127,6 +129,6 @@ def dense_tables(rank, world_size, sharding_type):
             opt.step()
         reference.zero_grad()
         compare(dmp, reference, names, step)
-    moved = {n: (reference.ebc.embedding_bags[n].weight.detach() - start[n]).abs().max().item() for n in names}
+    moved = {n: (reference.tables[n].weight.detach() - start[n]).abs().max().item() for n in names}
     rows = [(d.table, d.kernel, d.semantics) for d in sharders.plan_of(dmp.module.ebc).tables.values()]
     return {"moved": moved, "untouched": untouched, "decisions": rows}
