@@ -108,6 +108,10 @@ class CollectionSharder:
         """The collection's table configs, in order."""
         raise NotImplementedError
 
+    def check_options(self, device_type: str) -> None:
+        """Raise ``NotImplementedError`` for a TorchRec option of this sharder that cannot run on
+        ``device_type``, before anything is sharded. Nothing, by default."""
+
     def adapt_kernels(self, sharded: nn.Module) -> None:
         """Change TorchRec's kernels that no kind took over, where the collection's lookup needs it
         (after every kind adopted its kernels). Nothing, by default."""
@@ -125,6 +129,7 @@ class CollectionSharder:
         module_fqn: str | None = None,
     ) -> nn.Module:
         device = device or torch.device("cpu")
+        self.check_options(device.type)
         tables = self._table_kernels(module, params, device.type)
         params = {name: _with_kernel(sharding, tables.get(name)) for name, sharding in params.items()}
         with self._translated_annotations(module, tables):

@@ -14,6 +14,7 @@ wrong rows there and crash in the output split. Each such kernel runs
 every device.
 
 Sharding types: data_parallel, table_wise, column_wise and row_wise (TorchRec's).
+``use_index_dedup=True`` is refused on CPU, where FBGEMM has no kernel for it.
 
 Refused, by class: managed-collision collections (:mod:`sharders.managed_collision`).
 """
@@ -50,6 +51,13 @@ class EmbeddingCollectionSharder(CollectionSharder, _TorchRecSharder):
 
     def table_configs(self, module: nn.Module) -> list[Any]:
         return module.embedding_configs()
+
+    def check_options(self, device_type: str) -> None:
+        if self._use_index_dedup and device_type == "cpu":
+            raise NotImplementedError(
+                "EmbeddingCollectionSharder(use_index_dedup=True) on CPU: TorchRec deduplicates ids with "
+                "fbgemm's jagged_unique_indices, which FBGEMM builds for CUDA only; leave use_index_dedup off on CPU"
+            )
 
     def adapt_kernels(self, sharded: nn.Module) -> None:
         """TorchRec's own dense EC kernels (data-parallel and unannotated tables) look up by

@@ -158,7 +158,7 @@ def warmup_then_decay(step: int) -> float:
 
 def train_and_compare(
     rank, world_size, names, settings, sharding_type, steps=3, cover=True, dense=None, comm=None, schedule=None,
-    change=None, pinned=(), dim=8, diffs=None, family="ebc", dense_tables=(),
+    change=None, pinned=(), dim=8, diffs=None, family="ebc", dense_tables=(), sharder=None,
 ):
     """Train sharded and reference side by side; compare after every step. Returns how far
     the reference moved, per table (and ``"dense"``: the MLP).
@@ -172,7 +172,8 @@ def train_and_compare(
     the MLP), to change settings by hand. ``pinned``: tables pinned to the fallback.
     """
     dmp, reference, ref_opts = build(names, settings, sharding_type, world_size, dense=dense, comm=comm,
-                                     pinned_dense=pinned, dim=dim, family=family, dense_tables=dense_tables)
+                                     pinned_dense=pinned, dim=dim, family=family, dense_tables=dense_tables,
+                                     sharder=sharder)
     atol, dense_diff = (1e-3 if comm else 1e-5), 0.0  # compression costs precision everywhere
     start = {n: reference.tables[n].weight.detach().clone() for n in names}
     dense_start = [p.detach().clone() for p in reference.dense.parameters()]
@@ -368,12 +369,14 @@ def with_dense(rank, world_size, sharding_type, comm=None):
                              sharding_type, dense=_DENSE_ADAMW, comm=comm)
 
 
-def scheduled(rank, world_size, sharding_type):
-    """A warm-up-then-decay LambdaLR through get_optimizers, 10 steps, on fused, fallback and dense."""
-    return train_and_compare(rank, world_size, ["sgd", "adagrad", "adam"],
+def scheduled(rank, world_size, sharding_type, family="ebc", steps=10):
+    """A warm-up-then-decay LambdaLR through get_optimizers on fused, fallback (two Adam tables that
+    differ in lr: one virtual group) and dense."""
+    return train_and_compare(rank, world_size, ["sgd", "adagrad", "adam", "adam_fast"],
                              [(torch.optim.SGD, {"lr": 0.1}), (torch.optim.Adagrad, {"lr": 0.2}),
-                              (torch.optim.Adam, {"lr": 0.05})],
-                             sharding_type, steps=10, dense=_DENSE_ADAMW, schedule=warmup_then_decay)
+                              (torch.optim.Adam, {"lr": 0.05}), (torch.optim.Adam, {"lr": 0.1})],
+                             sharding_type, steps=steps, dense=_DENSE_ADAMW, schedule=warmup_then_decay,
+                             family=family)
 
 
 def scheduler_factory(fn):

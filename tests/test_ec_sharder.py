@@ -17,10 +17,13 @@ import re
 from functools import partial
 
 import pytest
+import torch
+
+import sharders
 
 from overlap_optim.testing import run_cases, selected_cases
 from _lazy_bodies import lazy_run
-from _sharded_parity import assert_table_exact, parity_with_round_trip, train_and_compare
+from _sharded_parity import assert_table_exact, parity_with_round_trip, scheduled, train_and_compare
 from test_sharder_parity import ATOL, CASES, REFUSED_WHEN_SPLIT
 
 EC_TYPES = ("data_parallel", "table_wise", "column_wise", "row_wise")
@@ -44,6 +47,10 @@ def _dense_tables(rank, world_size, sharding_type):
 
 
 RANK_CASES.update({f"dense_tables/{st}": partial(_dense_tables, sharding_type=st) for st in ("table_wise", "row_wise")})
+
+
+RANK_CASES.update({f"scheduled/{st}": partial(scheduled, sharding_type=st, family="ec", steps=6)
+                   for st in ("data_parallel", "row_wise")})
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +106,16 @@ def test_ec_dense_tables_match_dense_torch_optim_on_partial_batches(ranks, case)
     for name in ("adam", "sgd_momentum"):
         assert_table_exact(per_rank, name, ATOL, case)
         assert per_rank[0]["moved"][name] >= 1e-3
+
+
+
+def test_index_dedup_is_refused_on_cpu_before_anything_is_sharded():
+    sharder = sharders.EmbeddingCollectionSharder(use_index_dedup=True)
+    with pytest.raises(NotImplementedError, match=r"use_index_dedup=True\) on CPU: .*jagged_unique_indices"):
+        sharder.shard(torch.nn.Module(), {}, env=None, device=torch.device("cpu"))
+
+@pytest.mark.parametrize("case", ["scheduled/data_parallel", "scheduled/row_wise"])
+def test_an_lr_schedule_reaches_every_ec_kernel_at_the_next_step(ranks, case):
+    moved = ranks[case][0]  # how far the reference moved; compared with torch.optim after every step inside the ranks
+    assert moved["dense_diff"] <= 1e-5
+    assert min(moved[n] for n in ("sgd", "adagrad", "adam", "adam_fast", "dense")) >= 1e-3, moved
