@@ -28,12 +28,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when OpenMP starts: 
 import torch  # noqa: E402
 
 from benchmarks import (  # noqa: E402
-    accumulation, clipping, dense_hook, fallback, layerwise, limit, local_sgd, scaling, sparse_vs_torchrec, virtual_groups,
+    accumulation, clipping, dense_hook, ec_vs_torchrec, fallback, layerwise, limit, local_sgd, scaling, sparse_vs_torchrec,
+    virtual_groups,
 )
 
 log = logging.getLogger("benchmarks")
 MODULES = {
     "sparse_vs_torchrec": sparse_vs_torchrec,
+    "ec_vs_torchrec": ec_vs_torchrec,
     "fallback": fallback,
     "dense_hook": dense_hook,
     "limit": limit,
@@ -68,6 +70,10 @@ NOTES = {
         "Both peers run the same FBGEMM kernels and TorchRec's collectives. Ours adds, per step, a "
         "forward pre-hook per fused kernel that writes the group's learning rate into the kernel, and a "
         "hook on each kernel output that counts the step (torch.optim's `step` for the checkpoint)."
+    ),
+    "ec_vs_torchrec": (
+        "The EmbeddingCollection form of sparse_vs_torchrec: the same FBGEMM kernels (unpooled) and TorchRec's "
+        "collectives for both peers; ours adds the same per-kernel hooks (live learning rate, step count)."
     ),
     "fallback": (
         "Dense Adam touches the whole table every step; SparseAdam and the fallback only the touched rows. Step time "

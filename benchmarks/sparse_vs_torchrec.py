@@ -1,16 +1,19 @@
 """The sparse path against stock TorchRec, on optimizers both fuse exactly (2 ranks, gloo).
 
 Model: 8 tables of 100k-500k rows, dim 64, pooling 20 (Zipf-like ids), batch 2048
-per rank, table_wise, and a linear head. The tables use three settings that
+per rank, table_wise, and a linear head. ``run(quick, collection="ec")`` measures
+the same tables in an EmbeddingCollection (20 ids per sample, unpooled, the head
+on each id's row): ``benchmarks/ec_vs_torchrec.py``. The tables use three settings that
 FBGEMM computes exactly and that stock TorchRec passes through correctly:
 SGD, Adagrad with eps given, row-wise Adagrad without weight decay.
 
 Peers, the same process group, alternating in one run:
 
 - ``ours``: tables annotated with ``overlap_optim.apply_optimizer_in_backward``
-  (one call per setting), sharded by ``sharders.EmbeddingBagCollectionSharder``;
+  (one call per setting), sharded by ``sharders.EmbeddingBagCollectionSharder``
+  (``EmbeddingCollectionSharder``);
 - ``torchrec``: the same annotations made by ``torchrec.optim.apply_optimizer_in_backward``,
-  sharded by TorchRec's own ``EmbeddingBagCollectionSharder``.
+  sharded by TorchRec's own sharder of the collection.
 
 Both heads are plain DDP + SGD. Peak RSS is measured per peer in a group of its own.
 """
@@ -22,7 +25,7 @@ import resource
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
 from benchmarks._timing import time_peers
 from overlap_optim.testing import run_ranks
@@ -36,16 +39,29 @@ SETTINGS = [
 
 
 class _Model(nn.Module):
-    def __init__(self, rows: list[int]) -> None:
+    """The tables in an EmbeddingBagCollection ("ebc": the head reads the pooled bags) or an
+    EmbeddingCollection ("ec": the head reads every id's row)."""
+
+    def __init__(self, rows: list[int], collection: str = "ebc") -> None:
         super().__init__()
         torch.manual_seed(0)
-        tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=n, feature_names=[f"f{i}"])
+        self.collection = collection
+        config, module = (EmbeddingBagConfig, EmbeddingBagCollection) if collection == "ebc" else (
+            EmbeddingConfig, EmbeddingCollection)
+        tables = [config(name=f"t{i}", embedding_dim=DIM, num_embeddings=n, feature_names=[f"f{i}"])
                   for i, n in enumerate(rows)]
-        self.ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-        self.head = nn.Linear(DIM * len(rows), 1)
+        self.tables = module(tables=tables, device=torch.device("meta"))
+        self.head = nn.Linear(DIM * len(rows) if collection == "ebc" else DIM, 1)
+
+    def weight(self, table: str) -> torch.Tensor:
+        holder = self.tables.embedding_bags if self.collection == "ebc" else self.tables.embeddings
+        return holder[table].weight
 
     def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
-        return self.head(self.ebc(kjt).values()).square().mean()
+        looked_up = self.tables(kjt)
+        if self.collection == "ebc":
+            return self.head(looked_up.values()).square().mean()
+        return self.head(torch.cat([jt.values() for jt in looked_up.values()])).square().mean()
 
 
 def _sizes(quick: bool) -> tuple[list[int], int, int]:
@@ -54,9 +70,10 @@ def _sizes(quick: bool) -> tuple[list[int], int, int]:
     return [100_000, 150_000, 200_000, 250_000, 300_000, 350_000, 400_000, 500_000], 2048, 20
 
 
-def _build(peer: str, rows: list[int], world_size: int):
+def _build(peer: str, rows: list[int], world_size: int, collection: str):
     from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder as StockSharder
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder as StockECSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder as StockEBCSharder
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward as stock_annotate
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
@@ -64,12 +81,14 @@ def _build(peer: str, rows: list[int], world_size: int):
     import sharders
     from overlap_optim import apply_optimizer_in_backward
 
-    model = _Model(rows)
+    model = _Model(rows, collection)
     annotate = apply_optimizer_in_backward if peer == "ours" else stock_annotate
     for index, (_, cls, kwargs) in enumerate(SETTINGS):
-        tables = [model.ebc.embedding_bags[f"t{i}"].weight for i in range(len(rows)) if i % 3 == index]
+        tables = [model.weight(f"t{i}") for i in range(len(rows)) if i % 3 == index]
         annotate(cls or RowWiseAdagrad, tables, kwargs)
-    sharder = sharders.EmbeddingBagCollectionSharder() if peer == "ours" else StockSharder()
+    ours = sharders.EmbeddingBagCollectionSharder if collection == "ebc" else sharders.EmbeddingCollectionSharder
+    stock = StockEBCSharder if collection == "ebc" else StockECSharder
+    sharder = ours() if peer == "ours" else stock()
     constraints = {f"t{i}": ParameterConstraints(sharding_types=["table_wise"]) for i in range(len(rows))}
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
@@ -105,30 +124,32 @@ def _stepper(dmp, head, batches):
     return step
 
 
-def _time(rank: int, world_size: int, quick: bool, warmup: int, repeats: int) -> dict:
+def _time(rank: int, world_size: int, quick: bool, warmup: int, repeats: int, collection: str) -> dict:
     rows, batch, pooling = _sizes(quick)
     batches = _batches(rows, batch, pooling, rank)
-    peers = {peer: _stepper(*_build(peer, rows, world_size), batches) for peer in ("ours", "torchrec")}
+    peers = {peer: _stepper(*_build(peer, rows, world_size, collection), batches) for peer in ("ours", "torchrec")}
     return time_peers(peers, warmup, repeats)
 
 
-def _memory(rank: int, world_size: int, peer: str, quick: bool, steps: int) -> int:
+def _memory(rank: int, world_size: int, peer: str, quick: bool, steps: int, collection: str) -> int:
     rows, batch, pooling = _sizes(quick)
-    step = _stepper(*_build(peer, rows, world_size), _batches(rows, batch, pooling, rank))
+    step = _stepper(*_build(peer, rows, world_size, collection), _batches(rows, batch, pooling, rank))
     for _ in range(steps):
         step()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
 
 
-def run(quick: bool) -> dict:
-    """Measure; returns a JSON-able result with ratios."""
+def run(quick: bool, collection: str = "ebc") -> dict:
+    """Measure; returns a JSON-able result with ratios. ``collection``: "ebc" or "ec"."""
     rows, batch, pooling = _sizes(quick)
     warmup, repeats = (1, 3) if quick else (4, 24)
-    timings = run_ranks(_time, quick, warmup, repeats, timeout=900)[0]
-    memory = {peer: max(run_ranks(_memory, peer, quick, 2 if quick else 5, timeout=600)) for peer in ("ours", "torchrec")}
+    timings = run_ranks(_time, quick, warmup, repeats, collection, timeout=900)[0]
+    memory = {peer: max(run_ranks(_memory, peer, quick, 2 if quick else 5, collection, timeout=600))
+              for peer in ("ours", "torchrec")}
     return {
-        "setup": {"tables": len(rows), "rows": rows, "dim": DIM, "batch_per_rank": batch, "pooling": pooling,
-                  "ranks": 2, "sharding": "table_wise", "settings": [s[0] for s in SETTINGS], "repeats": repeats},
+        "setup": {"collection": collection, "tables": len(rows), "rows": rows, "dim": DIM, "batch_per_rank": batch,
+                  "ids_per_sample": pooling, "ranks": 2, "sharding": "table_wise",
+                  "settings": [s[0] for s in SETTINGS], "repeats": repeats},
         "timings": timings,
         "peak_rss_kib": memory,
         "ratios": {
