@@ -226,7 +226,7 @@ def _build(context: BuildContext) -> None:
     by_kind: dict[type[TableKernel], list[TableKernel]] = {}
     for table in context.tables.values():
         by_kind.setdefault(type(table), []).append(table)
-    for cls, tables in by_kind.items():
+    for cls, tables in sorted(by_kind.items(), key=lambda item: not item[0].install_first):
         cls.install(tables, context)
 
 

@@ -36,6 +36,7 @@ class FrozenTable(TableKernel):
 
     kind = KernelKind.FROZEN
     sharded_state = False
+    install_first = True  # a data-parallel lookup is wrapped again without its frozen weights: hook the new one
 
     def batch_key(self) -> Hashable:
         return (self.kind,)

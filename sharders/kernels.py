@@ -216,6 +216,7 @@ class TableKernel:
     kind: ClassVar[KernelKind]
     compute_kernel: ClassVar[str | None] = "dense"  # asked of the plan; None: the plan's own (data parallel)
     sharded_state: ClassVar[bool] = True  # its state is a sharded table's (sharders.table_state); else none, or on its weight
+    install_first: ClassVar[bool] = False  # its install() changes the module's lookups, which other kinds then hook
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -274,7 +275,8 @@ class TableKernel:
     @classmethod
     def install(cls, tables: list[TableKernel], context: BuildContext) -> None:
         """Once per kind, on every rank, after every kernel is adopted: ``tables`` are all the
-        module's tables of this kind, held here or not."""
+        module's tables of this kind, held here or not. Kinds with :attr:`install_first` install
+        before the others."""
 
     # -- state --
 

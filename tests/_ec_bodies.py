@@ -28,15 +28,20 @@ KINDS = {
     "factor": ((torch.optim.Adafactor, {"lr": 0.05}), "row_wise"),  # cross-shard
     "dp": ((torch.optim.Adam, {"lr": 0.05}), "data_parallel"),  # the DDP hook
     "frozen": (None, "table_wise"),  # requires_grad=False
+    "frozen_dp": (None, "data_parallel"),
 }
+FROZEN = ("frozen", "frozen_dp")
 DENSE = (torch.optim.Adam, {"lr": 0.02})
 
 
-def _every_kind(world_size, clip_fraction=None, first_parts=None):
-    """(ours, reference, reference optimizers, clipping set or None, bound) for the KINDS model."""
+def _every_kind(world_size, clip_fraction=None, first_parts=None, how="norm"):
+    """(ours, reference, reference optimizers, clipping set or None, bound) for the KINDS model;
+    ``how``: clip by "norm" (the bound a fraction of the first step's norm) or "value" (of its
+    largest gradient element)."""
     names = list(KINDS)
     model = ManySequenceModel(names, seed=3)
-    model.tables["frozen"].weight.requires_grad_(False)
+    for name in FROZEN:
+        model.tables[name].weight.requires_grad_(False)
     reference = copy.deepcopy(model)
     ref_opts = []
     for name, (setting, _) in KINDS.items():
@@ -49,9 +54,14 @@ def _every_kind(world_size, clip_fraction=None, first_parts=None):
     if clip_fraction is not None:
         probe = copy.deepcopy(reference)
         loss_of(probe, concat_batches(first_parts)).backward()
-        bound = clip_fraction * torch.nn.utils.get_total_norm(
-            [p.grad for p in probe.parameters() if p.grad is not None]).item()
-        clip = overlap_optim.apply_gradient_clipping([p for p in model.parameters() if p.requires_grad], max_norm=bound)
+        grads = [p.grad for p in probe.parameters() if p.grad is not None]
+        members = [p for p in model.parameters() if p.requires_grad]
+        if how == "norm":
+            bound = clip_fraction * torch.nn.utils.get_total_norm(grads).item()
+            clip = overlap_optim.apply_gradient_clipping(members, max_norm=bound)
+        else:
+            bound = clip_fraction * max(g.abs().max().item() for g in grads)
+            clip = overlap_optim.apply_gradient_clipping(members, clip_value=bound)
     types = {n: t for n, (_, t) in KINDS.items()}
     dmp = shard_like_reference(model, reference, names, types, world_size, sharders.EmbeddingCollectionSharder())
     return dmp, reference, ref_opts, clip, bound
@@ -62,22 +72,26 @@ def _parts(step, world_size, names):
     return [covering_batch(names, generator) for _ in range(world_size)]
 
 
-def clipped(rank, world_size, steps=3):
-    """Clipping by norm over every table and the MLP: the norm and the weights against
-    ``clip_grad_norm_`` then torch.optim, after every step."""
+def clipped(rank, world_size, how="norm", steps=3):
+    """Clipping ``how`` ("norm" or "value") over every table and the MLP: the norm and the weights
+    against ``clip_grad_norm_`` (``clip_grad_value_``) then torch.optim, after every step."""
     names = list(KINDS)
-    dmp, reference, ref_opts, clip, bound = _every_kind(world_size, 0.3, _parts(0, world_size, names))
+    dmp, reference, ref_opts, clip, bound = _every_kind(world_size, 0.3, _parts(0, world_size, names), how)
     start = {n: p.detach().clone() for n, p in reference.named_parameters()}
     norms = []
     for step in range(steps):
         parts = _parts(step, world_size, names)
         loss_of(dmp, parts[rank]).backward()
         loss_of(reference, concat_batches(parts)).backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.requires_grad], bound)
+        members = [p for p in reference.parameters() if p.requires_grad]
+        if how == "norm":
+            norms.append((torch.nn.utils.clip_grad_norm_(members, bound).item(), clip.total_norm.item()))
+        else:
+            norms.append((max(p.grad.abs().max().item() for p in members), None))
+            torch.nn.utils.clip_grad_value_(members, bound)
         for opt in ref_opts:
             opt.step()
         reference.zero_grad()
-        norms.append((ref_norm.item(), clip.total_norm.item()))
         compare(dmp, reference, names, step, atol=2e-5)
     moved = {n: (p.detach() - start[n]).abs().max().item() for n, p in reference.named_parameters()}
     kinds = {n: t.kind.value for n, t in sharders.plan_of(dmp.module.ec).tables.items()}

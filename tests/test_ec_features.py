@@ -28,6 +28,7 @@ from sharders.managed_collision import refuse_managed_collision
 
 TWO_RANKS = {
     "clipped": clipped,
+    "clipped_by_value": partial(clipped, how="value"),
     "accumulated": accumulated,
     "pipeline": shared_table_in_pipeline,
     "combined/row_wise": partial(combined_optimizer_run, sharding_type="row_wise", family="ec"),
@@ -59,9 +60,10 @@ def one(request, reshard, directory):
 
 
 def _annotated_moved(moved):
-    """Every annotated parameter of the KINDS model moved, the frozen table did not."""
-    frozen = moved.pop("ec.embeddings.frozen.weight")
-    assert frozen == 0.0, f"the frozen table moved by {frozen}"
+    """Every annotated parameter of the KINDS model moved, the frozen tables did not."""
+    for name in ("frozen", "frozen_dp"):
+        frozen = moved.pop(f"ec.embeddings.{name}.weight")
+        assert frozen == 0.0, f"the frozen table {name} moved by {frozen}"
     still = {n: m for n, m in moved.items() if m < 1e-4}
     assert not still, f"the reference did not move {still}"
 
@@ -70,9 +72,19 @@ def _annotated_moved(moved):
 def test_clipping_by_norm_is_exact_on_every_kind_of_ec_table(two, case):
     for run in two[case]:  # weights compared inside the ranks after every step, atol 2e-5
         assert run["kinds"] == {"fused": "fused", "sgd": "fused", "adam": "lazy", "factor": "cross_shard",
-                                "dp": "data_parallel", "frozen": "frozen"}
+                                "dp": "data_parallel", "frozen": "frozen", "frozen_dp": "frozen"}
         for ref_norm, ours in run["norms"]:
             assert abs(ours - ref_norm) <= 1e-5 * ref_norm, (ours, ref_norm)
+        assert run["norms"][0][0] > run["bound"], "the bound never bound: clipping was not exercised"
+        _annotated_moved(dict(run["moved"]))
+
+
+@pytest.mark.parametrize("case", ["clipped_by_value"])
+def test_clipping_by_value_is_exact_on_every_kind_of_ec_table(two, case):
+    for run in two[case]:  # weights compared inside the ranks after every step, atol 2e-5
+        # FBGEMM cannot clamp a row's summed gradient: the fused tables run in the fallback
+        assert run["kinds"] == {"fused": "lazy", "sgd": "lazy", "adam": "lazy", "factor": "cross_shard",
+                                "dp": "data_parallel", "frozen": "frozen", "frozen_dp": "frozen"}
         assert run["norms"][0][0] > run["bound"], "the bound never bound: clipping was not exercised"
         _annotated_moved(dict(run["moved"]))
 
