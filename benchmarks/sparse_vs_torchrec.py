@@ -39,8 +39,8 @@ SETTINGS = [
 
 
 class _Model(nn.Module):
-    """The tables in an EmbeddingBagCollection ("ebc": the head reads the pooled bags) or an
-    EmbeddingCollection ("ec": the head reads every id's row)."""
+    """The tables in an EmbeddingBagCollection (``self.ebc``: the head reads the pooled bags) or an
+    EmbeddingCollection (``self.ec``: the head reads every id's row)."""
 
     def __init__(self, rows: list[int], collection: str = "ebc") -> None:
         super().__init__()
@@ -50,15 +50,15 @@ class _Model(nn.Module):
             EmbeddingConfig, EmbeddingCollection)
         tables = [config(name=f"t{i}", embedding_dim=DIM, num_embeddings=n, feature_names=[f"f{i}"])
                   for i, n in enumerate(rows)]
-        self.tables = module(tables=tables, device=torch.device("meta"))
+        setattr(self, collection, module(tables=tables, device=torch.device("meta")))
         self.head = nn.Linear(DIM * len(rows) if collection == "ebc" else DIM, 1)
 
     def weight(self, table: str) -> torch.Tensor:
-        holder = self.tables.embedding_bags if self.collection == "ebc" else self.tables.embeddings
+        holder = self.ebc.embedding_bags if self.collection == "ebc" else self.ec.embeddings
         return holder[table].weight
 
     def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
-        looked_up = self.tables(kjt)
+        looked_up = getattr(self, self.collection)(kjt)
         if self.collection == "ebc":
             return self.head(looked_up.values()).square().mean()
         return self.head(torch.cat([jt.values() for jt in looked_up.values()])).square().mean()
