@@ -5,7 +5,10 @@ Reference: the same model unsharded in one process (an ``EmbeddingCollection`` o
 model weights each id by its position in its sequence (``_models.ManySequenceModel``), so every
 id's row gets its own gradient. Each cell trains 3 steps, compared after every step; then
 ``get_optimizers().state_dict()`` is loaded into a second sharded model (weights copied over),
-which takes a fourth step beside the reference.
+which takes a fourth step beside the reference. On batches that touch a third of the rows: lazy
+tables against torch's sparse optimizers, ``dense_tables`` and the optimizers that are not
+row-separable (dense semantics) against dense torch.optim. Also: an LR schedule, and
+``use_index_dedup`` refused on CPU.
 
 The matrix is every setting of the EBC parity matrix (layer-wise ones included) on each of EC's
 four sharding types, 128 cells in one spawned group (about 20 s here).
@@ -23,13 +26,17 @@ import sharders
 
 from overlap_optim.testing import run_cases, selected_cases
 from _lazy_bodies import lazy_run
-from _sharded_parity import assert_table_exact, parity_with_round_trip, scheduled, train_and_compare
-from test_sharder_parity import ATOL, CASES, REFUSED_WHEN_SPLIT
+from _sharded_parity import (
+    assert_table_exact, parity_on_partial_batches, parity_with_round_trip, scheduled, train_and_compare,
+)
+from test_sharder_parity import ATOL, CASES, NOT_SEPARABLE, REFUSED_WHEN_SPLIT
 
 EC_TYPES = ("data_parallel", "table_wise", "column_wise", "row_wise")
 NAMES = [c[0] for c in CASES]
 
 RANK_CASES = {st: partial(parity_with_round_trip, cases=CASES, sharding_type=st) for st in EC_TYPES}
+RANK_CASES.update({f"partial/{st}": partial(parity_on_partial_batches, cases=CASES, sharding_type=st, family="ec")
+                   for st in ("table_wise", "data_parallel")})
 RANK_CASES.update({f"lazy/{st}": partial(lazy_run, sharding_type=st, family="ec") for st in ("table_wise", "row_wise")})
 
 
@@ -87,6 +94,13 @@ def test_every_optimizer_on_every_ec_sharding_type_matches_torch_optim_through_a
     ranks, case, name
 ):
     _check_cell(ranks[case], case, name, case)
+
+
+@pytest.mark.parametrize("name", sorted(NOT_SEPARABLE))
+@pytest.mark.parametrize("case", ["partial/table_wise", "partial/data_parallel"])
+def test_not_separable_optimizers_on_ec_tables_are_exact_with_dense_semantics_on_partial_batches(ranks, case, name):
+    assert_table_exact(ranks[case], name, ATOL, case)
+    assert ranks[case][0]["moved"][name] >= 1e-3, f"{case}: the reference did not move {name}"
 
 
 @pytest.mark.parametrize("case", ["lazy/table_wise", "lazy/row_wise"])
