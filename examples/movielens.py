@@ -75,12 +75,7 @@ QSR_DEFAULTS = {"alpha": 0.005, "base_period": 8, "warmup": 50}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--batch-size", type=int, default=256, help="per rank; the global batch is world x this")
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path("demo_out"))
-    parser.add_argument("--data-dir", type=Path, default=None, help=f"a directory holding {list(movielens_data.FILES)}")
-    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "overlap-optim")
+    movielens_data.add_run_arguments(parser)
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in <out>/ckpt (and <out>/ckpt-qsr)")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N ratings (smoke tests)")

@@ -17,6 +17,7 @@ them into tensors:
 
 from __future__ import annotations
 
+import argparse
 import math
 import subprocess
 import sys
@@ -28,7 +29,7 @@ import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-__all__ = ["FILES", "DataUnavailable", "fetch", "load", "MovieLens", "SPARSE", "DENSE"]
+__all__ = ["FILES", "DataUnavailable", "fetch", "load", "MovieLens", "SPARSE", "DENSE", "add_run_arguments"]
 
 WHEEL = "recbole==1.2.1"
 FILES = ("ml-100k.inter", "ml-100k.user", "ml-100k.item")
@@ -155,3 +156,13 @@ def load(data_dir: Path, seed: int = 0, limit: int | None = None) -> MovieLens:
     sizes = {"user": len(users), "item": len(items), "age": len(_AGE_EDGES) + 1, "gender": len(genders),
              "occupation": len(jobs), "zip": len(zips), "genre": len(genres)}
     return MovieLens(ids, offsets, values, dense, labels, sizes, splits)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments every MovieLens example takes: epochs, batch size, ranks, where to write, where the data is."""
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=256, help="per rank; the global batch is world x this")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("demo_out"))
+    parser.add_argument("--data-dir", type=Path, default=None, help=f"a directory holding {list(FILES)}")
+    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "overlap-optim")
