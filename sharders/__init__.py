@@ -9,9 +9,10 @@ from sharders.embedding import EmbeddingCollectionSharder
 from sharders.embeddingbag import EmbeddingBagCollectionSharder
 from sharders.kernels import KernelChoice, KernelKind, TableDecision, TableKernel
 from sharders.optimizer_table import choose_kernel
+from sharders.planner import EmbeddingShardingPlanner
 from sharders.plan import ShardedModulePlan, plan_of
 
 __all__ = [
-    "DataParallelWrapper", "describe", "EmbeddingBagCollectionSharder", "EmbeddingCollectionSharder", "KernelChoice", "KernelKind", "TableDecision",
+    "DataParallelWrapper", "describe", "EmbeddingBagCollectionSharder", "EmbeddingCollectionSharder", "EmbeddingShardingPlanner", "KernelChoice", "KernelKind", "TableDecision",
     "TableKernel", "ShardedModulePlan", "choose_kernel", "plan_of",
 ]

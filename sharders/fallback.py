@@ -90,6 +90,12 @@ class FallbackTable(TableKernel):
         layout = self.state_layout()
         return [n for n in self.group.spec.state if n not in layout]
 
+    def step_bytes(self, shard_shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> int:
+        """Dense semantics: each step makes the shard's whole gradient (zeros where untouched)."""
+        if self.semantics != "dense":
+            return 0
+        return shard_shape[0] * shard_shape[1] * torch.empty(0, dtype=dtype).element_size()
+
 
 class LazyTable(FallbackTable):
     """torch.optim on the rows a batch touched (:class:`overlap_optim.update.RowOptimizer`)."""

@@ -1,0 +1,182 @@
+"""A planner that sizes each table's real optimizer state and proposes only what our sharders run.
+
+TorchRec's planner sizes a table's optimizer state with a multiplier read from its
+first ``_optimizer_classes`` entry (2 for Adam, 0 for SGD with or without momentum,
+1/dim for RowWiseAdagrad, 1 for the rest), and proposes every sharding type a
+sharder lists, whether or not the table's optimizer can run there. Our
+:class:`EmbeddingShardingPlanner` is TorchRec's, same arguments, with an
+enumerator that, for every sharding option of a table sharded by our sharders:
+
+- asks the decision table (:func:`sharders.optimizer_table.decide`) what would
+  run it, and drops the option if the sharder would refuse it. A table left with
+  no option is a ``ValueError`` at plan time naming the table, its optimizer and
+  each reason. The option keeps TorchRec's kernel name ("fused" for a
+  model-parallel table: TorchRec's plan validation allows "dense" on
+  data_parallel only); the sharder runs the table's own kind there, and the
+  estimate is that kind's;
+- sizes its optimizer state per shard exactly, for the kernel that will run it
+  (:meth:`sharders.kernels.TableKernel.state_bytes`: FBGEMM's fp32 state for fused
+  tables, torch.optim's for the fallback, amsgrad's extra buffer included,
+  factored state for cross-shard tables, the whole table's for data-parallel
+  ones), plus the per-step buffers the kernel allocates
+  (:meth:`~sharders.kernels.TableKernel.step_bytes`, such as the shard-sized
+  gradient of a dense-semantics table). TorchRec's own tensor and I/O sizes are
+  kept; its multiplier is not applied.
+
+On CPU the bytes go to DDR; on CUDA to HBM, or to DDR for kernels that keep the
+table in host memory (UVM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.collective_utils import invoke_on_rank_and_broadcast_result
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.planner import EmbeddingShardingPlanner as _TorchRecPlanner
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+from torchrec.distributed.planner.estimator import EmbeddingPerfEstimatorFactory
+from torchrec.distributed.planner.estimator.config import DEFAULT_PERF_ESTIMATOR
+from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstimator
+from torchrec.distributed.planner.types import PlannerError, ShardingOption, Storage
+from torchrec.distributed.sharding_plan import get_default_sharders
+
+from overlap_optim.spec import AnnotationGroup
+from sharders.collection import CollectionSharder
+from sharders.kernels import TableKernel, kernel_class
+from sharders.optimizer_table import decide
+
+__all__ = ["EmbeddingShardingPlanner"]
+
+# Compute kernels whose table (and FBGEMM state) lives in host memory on CUDA.
+_HOST_KERNELS = {EmbeddingComputeKernel.FUSED_UVM.value, EmbeddingComputeKernel.FUSED_UVM_CACHING.value}
+
+
+class EmbeddingShardingPlanner(_TorchRecPlanner):
+    """Drop-in for TorchRec's ``EmbeddingShardingPlanner`` (same arguments); see the module doc.
+
+    An ``enumerator`` given explicitly is used as given (TorchRec's estimates).
+
+    Example:
+        >>> planner = EmbeddingShardingPlanner(topology=Topology(world_size=2, compute_device="cpu"))
+        >>> plan = planner.collective_plan(model, [ebc_sharder, ec_sharder], pg)
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        own = kwargs.get("enumerator") is None and (len(args) < 3 or args[2] is None)
+        super().__init__(*args, **kwargs)
+        if own:
+            self._enumerator = FittingEnumerator(
+                topology=self._topology, batch_size=self._batch_size, constraints=self._constraints,
+            )
+
+
+    def collective_plan(self, module: nn.Module, sharders: list | None = None, pg: Any = None) -> Any:
+        """TorchRec's: rank 0 plans and broadcasts the plan. Here its error is broadcast too, so that
+        a table that cannot run, or a model that does not fit, raises the same error on every rank
+        instead of leaving the others waiting."""
+        pg = pg if pg is not None else dist.GroupMember.WORLD
+        sharders = sharders if sharders is not None else get_default_sharders()
+
+        def outcome() -> tuple[str, Any]:
+            try:
+                return "plan", self.plan(module, sharders)
+            except (PlannerError, ValueError) as err:
+                return "error", err
+
+        kind, value = invoke_on_rank_and_broadcast_result(pg, 0, outcome)
+        if kind == "error":
+            raise value
+        return value
+
+
+class FittingEnumerator(EmbeddingEnumerator):
+    """TorchRec's enumerator, keeping only runnable options and sizing their state exactly."""
+
+    def __init__(self, topology: Any, batch_size: int, constraints: dict | None = None) -> None:
+        estimators = [
+            EmbeddingPerfEstimatorFactory.create(DEFAULT_PERF_ESTIMATOR, topology=topology, constraints=constraints),
+            _WithoutOptimizerStorage(topology=topology, constraints=constraints),
+        ]
+        super().__init__(topology=topology, batch_size=batch_size, constraints=constraints, estimator=estimators)
+        self._device = topology.compute_device
+        self._torch_made: dict[int, dict[str, AnnotationGroup]] = {}
+
+    def enumerate(self, module: nn.Module, sharders: list) -> list[ShardingOption]:
+        options = super().enumerate(module, sharders)
+        kept, refusals = [], {}
+        for option in options:
+            kernel = self._kernel_of(option)
+            if isinstance(kernel, str):
+                refusals.setdefault(option.name, []).append(f"{option.sharding_type}: {kernel}")
+            else:
+                kept.append(option)
+        left = {o.name for o in kept}
+        unrunnable = sorted(set(refusals) - left)
+        if unrunnable:
+            raise ValueError(
+                "no sharding option the planner may propose can run these tables exactly:\n"
+                + "\n".join(f"- table {n!r}: " + "; ".join(dict.fromkeys(refusals[n])) for n in unrunnable)
+                + "\nallow another sharding type in its ParameterConstraints"
+            )
+        return kept
+
+    def populate_estimates(self, sharding_options: list[ShardingOption]) -> None:
+        super().populate_estimates(sharding_options)
+        for option in sharding_options:
+            kernel = self._kernel_of(option)
+            if isinstance(kernel, TableKernel):
+                for shard in option.shards:
+                    extra = kernel.state_bytes(tuple(shard.size)) + kernel.step_bytes(tuple(shard.size))
+                    shard.storage = shard.storage + self._placed(option, extra)
+
+    def _kernel_of(self, option: ShardingOption) -> TableKernel | str | None:
+        """The kernel our sharder would run ``option`` in; the refusal message if it would refuse
+        it; None for a module our sharders do not shard."""
+        path, module = option.module
+        sharder = self._sharder_map.get(option.module_type_key) if hasattr(self, "_sharder_map") else None
+        if not isinstance(sharder, CollectionSharder):
+            return None
+        try:
+            decision = decide(
+                option.name, option.tensor, option.sharding_type, [list(s.offset) for s in option.shards],
+                option.compute_kernel, tuple(option.tensor.shape), self._device,
+                self._torch_made.setdefault(id(module), {}),
+                pinned=sharder.fallback_tables, dense=sharder.dense_tables,
+            )
+        except (ValueError, NotImplementedError) as err:
+            return str(err)
+        return kernel_class(decision.kind)(decision)
+
+    def _placed(self, option: ShardingOption, size: int) -> Storage:
+        if self._device == "cpu" or option.compute_kernel in _HOST_KERNELS:
+            return Storage(hbm=0, ddr=size)
+        return Storage(hbm=size, ddr=0)
+
+
+class _WithoutOptimizerStorage(EmbeddingStorageEstimator):
+    """TorchRec's storage estimate (tensor and I/O) with its optimizer multiplier left out:
+    :class:`FittingEnumerator` adds the exact state."""
+
+    def estimate(self, sharding_options: list[ShardingOption], sharder_data_map: Any = None) -> None:
+        with _optimizer_classes_hidden(sharding_options):
+            super().estimate(sharding_options, sharder_data_map)
+
+
+@contextlib.contextmanager
+def _optimizer_classes_hidden(options: list[ShardingOption]) -> Iterator[None]:
+    """TorchRec reads ``tensor._optimizer_classes[0]`` for its multiplier; without it, it adds none."""
+    saved = {}
+    for option in options:
+        tensor = option.tensor
+        if "_optimizer_classes" in tensor.__dict__ and id(tensor) not in saved:
+            saved[id(tensor)] = (tensor, tensor.__dict__.pop("_optimizer_classes"))
+    try:
+        yield
+    finally:
+        for tensor, classes in saved.values():
+            tensor._optimizer_classes = classes

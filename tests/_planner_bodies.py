@@ -1,0 +1,74 @@
+"""Rank bodies for tests/test_planner.py (spawned; not collected by pytest)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.planner import ParameterConstraints, Topology
+from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+import overlap_optim
+import sharders
+from sharders.planner import EmbeddingShardingPlanner
+
+ROWS = 4000
+# The issue's model: four 4000 x 64 tables whose real state TorchRec's multiplier gets wrong.
+FOUR = [("amsgrad", torch.optim.Adam, {"lr": 0.01, "amsgrad": True}),
+        ("momentum", torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+        ("adamw", torch.optim.AdamW, {"lr": 0.01}),
+        ("adafactor", torch.optim.Adafactor, {"lr": 0.01})]
+WIDE = [("rowwise", RowWiseAdagrad, {"lr": 0.1})]  # 4000 x 256: must be split under a small cap
+
+
+def _model(specs, dim):
+    ebc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name=n, embedding_dim=dim, num_embeddings=ROWS, feature_names=[f"f_{n}"]) for n, _, _ in specs])
+    for name, cls, kwargs in specs:
+        overlap_optim.apply_optimizer_in_backward(cls, [ebc.embedding_bags[name].weight], kwargs)
+    return torch.nn.Sequential(ebc)
+
+
+def held_bytes(dmp) -> int:
+    """This rank's bytes of table weights and optimizer state (local shards; scalars aside)."""
+    def size(value):
+        if isinstance(value, ShardedTensor):
+            return sum(s.tensor.numel() * s.tensor.element_size() for s in value.local_shards())
+        return value.numel() * value.element_size() if torch.is_tensor(value) and value.dim() else 0
+
+    total = sum(size(v) for k, v in dmp.state_dict().items() if "embedding_bags" in k)
+    for state in overlap_optim.get_optimizers(dmp).state_dict()["state"].values():
+        total += sum(size(v) for v in state.values())
+    return total
+
+
+def capped(rank, world_size, which, cap, constraints=None):
+    """Plan ``which`` ("four" or "wide") with a DDR cap of ``cap`` table weights per rank and no
+    storage reservation; shard, take one step. Returns the plan and this rank's bytes after the step
+    (in table weights), or the planner's error as "Type: message"."""
+    specs, dim = (FOUR, 64) if which == "four" else (WIDE, 256)
+    weight = ROWS * dim * 4
+    model = _model(specs, dim)
+    sharder = sharders.EmbeddingBagCollectionSharder()
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size,
+                          ddr_cap=int(cap * weight)),
+        storage_reservation=FixedPercentageStorageReservation(0.0),
+        constraints={n: ParameterConstraints(sharding_types=t) for n, t in (constraints or {}).items()},
+    )
+    try:
+        plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
+    except Exception as err:  # noqa: BLE001 - the message is what the test checks
+        return {"error": f"{type(err).__name__}: {err}"}
+    types = {n: p.sharding_type for n, p in plan.plan["0"].items()}
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    generator = torch.Generator().manual_seed(rank)
+    names = [s[0] for s in specs]
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"f_{n}" for n in names], values=torch.randint(0, ROWS, (len(names) * 64 * 5,), generator=generator),
+        lengths=torch.full((len(names) * 64,), 5))
+    sum(v.sum() for v in dmp(kjt).to_dict().values()).backward()
+    return {"types": types, "held": held_bytes(dmp) / weight}

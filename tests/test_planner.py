@@ -1,0 +1,60 @@
+"""sharders.EmbeddingShardingPlanner: plans that fit, and only plans that run (2 ranks, gloo).
+
+The issue's model (four 4000 x 64 tables: Adam with amsgrad, SGD with momentum, AdamW, Adafactor)
+under a DDR cap per rank, in table weights W, with no storage reservation: TorchRec's planner
+sizes their state as 2, 0, 1 and 1 W and puts 6 W on one rank under a 5 W cap. Ours sizes it
+exactly (4, 2, 3 and about 1 W with the weights, plus Adafactor's per-step gradient), so at 5 W
+it raises PlannerError on every rank, and at 7 W its plan holds after one step. A 4000 x 256
+RowWiseAdagrad table that a cap forces to split is proposed row_wise, never column_wise (where
+our sharder refuses it), and a constraint that leaves it only column_wise is refused at plan time.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+
+from overlap_optim.testing import run_cases, selected_cases
+from _planner_bodies import capped
+
+CASES = {
+    "four/5W": partial(capped, which="four", cap=5.0),
+    "four/7W": partial(capped, which="four", cap=7.0),
+    "wide/0.9W": partial(capped, which="wide", cap=0.9),
+    "wide/column_only": partial(capped, which="wide", cap=0.9, constraints={"rowwise": ["column_wise"]}),
+}
+
+
+@pytest.fixture(scope="module")
+def ranks(request):
+    return run_cases(CASES, selected_cases(request, CASES), timeout=400)
+
+
+@pytest.mark.parametrize("case", ["four/5W"])
+def test_a_model_that_does_not_fit_raises_planner_error_on_every_rank(ranks, case):
+    for out in ranks[case]:
+        assert out["error"].startswith("PlannerError: ") and "insufficient storage" in out["error"], out
+
+
+@pytest.mark.parametrize("case", ["four/7W"])
+def test_a_plan_that_fits_still_fits_after_a_step(ranks, case):
+    for rank, out in enumerate(ranks[case]):
+        assert "error" not in out, out
+        assert out["held"] <= 7.0, f"rank {rank} holds {out['held']:.3f} W under a 7 W cap"
+    assert sum(out["held"] for out in ranks[case]) >= 9.9  # 4 + 2 + 3 + 1 W: the state really is there
+
+
+@pytest.mark.parametrize("case", ["wide/0.9W"])
+def test_rowwise_adagrad_that_must_split_is_planned_row_wise(ranks, case):
+    for out in ranks[case]:
+        assert "error" not in out, out
+        assert out["types"]["rowwise"] in ("row_wise", "table_row_wise"), out["types"]
+        assert out["held"] <= 0.9
+
+
+@pytest.mark.parametrize("case", ["wide/column_only"])
+def test_a_constraint_that_leaves_only_refused_types_is_refused_at_plan_time(ranks, case):
+    for out in ranks[case]:
+        assert out["error"].startswith("ValueError: no sharding option"), out
+        assert "table 'rowwise'" in out["error"] and "RowWiseAdagrad" in out["error"] and "column" in out["error"]
