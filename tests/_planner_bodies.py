@@ -72,3 +72,59 @@ def capped(rank, world_size, which, cap, constraints=None):
         lengths=torch.full((len(names) * 64,), 5))
     sum(v.sum() for v in dmp(kjt).to_dict().values()).backward()
     return {"types": types, "held": held_bytes(dmp) / weight}
+
+
+def state_sizes(rank, world_size, cases, sharding_type, rows=256, dim=16):
+    """Every case as a table of one EBC on ``sharding_type`` (those it accepts); after one step,
+    per table: (bytes this rank holds of its weights and optimizer state, the planner's figure for
+    them: the local shards' weights plus ``TableKernel.state_bytes`` of each)."""
+    from _sharded_parity import _accepted_on
+
+    kept = [c for c in cases if _accepted_on(c, sharding_type)]
+    ebc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name=n, embedding_dim=dim, num_embeddings=rows, feature_names=[f"f_{n}"]) for n, _, _ in kept])
+    for name, cls, kwargs in kept:
+        overlap_optim.apply_optimizer_in_backward(cls, [ebc.embedding_bags[name].weight], kwargs)
+    model = torch.nn.Sequential(ebc)
+    sharder = sharders.EmbeddingBagCollectionSharder()
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
+        constraints={n: ParameterConstraints(sharding_types=[sharding_type], min_partition=4) for n, _, _ in kept},
+    )
+    plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    names = [c[0] for c in kept]
+    generator = torch.Generator().manual_seed(rank)
+    kjt = KeyedJaggedTensor.from_lengths_sync(  # every row of every table, on every rank
+        keys=[f"f_{n}" for n in names], values=torch.cat([torch.randperm(rows, generator=generator) for _ in names]),
+        lengths=torch.full((len(names),), rows))
+    (sum(v.sum() for v in dmp(kjt).to_dict().values()) * 1e-3).backward()
+    weights, state = dmp.state_dict(), overlap_optim.get_optimizers(dmp).state_dict()["state"]
+    tables = sharders.plan_of(dmp.module[0]).tables
+    out = {}
+    for name in names:
+        key = f"0.embedding_bags.{name}.weight"
+        if tables[name].sharded_state:  # each local shard's own state objects, as the kernel holds them
+            held_state = [v for piece in tables[name].shards for v in piece.state.state.values()]
+        else:  # data-parallel: the weight's optimizer, whole on every rank
+            held_state = list(state.get(key, {}).values())
+        unique = {id(v): v for v in held_state if torch.is_tensor(v)}
+        held = _size(weights[key]) + sum(_size(v, scalars=True) for v in unique.values())
+        estimate = sum(_size(s.tensor) + tables[name].state_bytes(tuple(s.tensor.shape))
+                       for s in _local(weights[key]))
+        out[name] = (held, estimate)
+    return out
+
+
+def _local(value):
+    if isinstance(value, ShardedTensor):
+        return value.local_shards()
+    return [type("Shard", (), {"tensor": value})()]
+
+
+def _size(value, scalars=False):
+    if isinstance(value, ShardedTensor):
+        return sum(s.tensor.numel() * s.tensor.element_size() for s in value.local_shards())
+    if torch.is_tensor(value) and (value.dim() or scalars):
+        return value.numel() * value.element_size()
+    return 0

@@ -16,7 +16,8 @@ from functools import partial
 import pytest
 
 from overlap_optim.testing import run_cases, selected_cases
-from _planner_bodies import capped
+from _planner_bodies import capped, state_sizes
+from test_sharder_parity import CASES as PARITY_CASES
 
 CASES = {
     "four/5W": partial(capped, which="four", cap=5.0),
@@ -58,3 +59,54 @@ def test_a_constraint_that_leaves_only_refused_types_is_refused_at_plan_time(ran
     for out in ranks[case]:
         assert out["error"].startswith("ValueError: no sharding option"), out
         assert "table 'rowwise'" in out["error"] and "RowWiseAdagrad" in out["error"] and "column" in out["error"]
+
+
+SIZE_TYPES = ("data_parallel", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
+SIZES = {f"sizes/{st}": partial(state_sizes, cases=PARITY_CASES, sharding_type=st) for st in SIZE_TYPES}
+
+
+@pytest.fixture(scope="module")
+def sizes(request):
+    return run_cases(SIZES, selected_cases(request, SIZES), timeout=400)
+
+
+@pytest.mark.parametrize("case", list(SIZES))
+def test_the_planners_state_bytes_are_the_bytes_held_after_a_step(sizes, case):
+    """Every optimizer of the parity matrix on ``case``'s sharding type, 256 x 16 tables: the local
+    weights plus ``state_bytes`` of each local shard (what the planner adds) within 1% of the
+    weights and optimizer state this rank holds after one step (every tensor, scalars included)."""
+    off = []
+    for rank, tables in enumerate(sizes[case]):
+        for name, (held, estimate) in tables.items():
+            if abs(estimate - held) > 0.01 * held:
+                off.append(f"rank {rank}, {name}: planned {estimate} bytes, holds {held}")
+    assert not off, "\n".join(off)
+    assert any(held for tables in sizes[case] for held, _ in tables.values())
+
+
+def test_the_estimate_replaces_torchrecs_multiplier_by_the_kernels_bytes():
+    """One process: per table_wise shard, ours minus TorchRec's estimate is our state (and per-step
+    buffers) minus TorchRec's multiplier times the weights (2 for Adam, 0 for SGD, 1 otherwise)."""
+    from torchrec.distributed.planner import Topology
+    from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+
+    import sharders
+    from _planner_bodies import FOUR, ROWS, _model
+    from sharders.planner import FittingEnumerator
+
+    weight, rows = ROWS * 64 * 4, ROWS
+    topology = Topology(world_size=2, compute_device="cpu", local_world_size=2)
+    ddr = {}
+    for label, enumerator in (("torchrec", EmbeddingEnumerator(topology, 512)), ("ours", FittingEnumerator(topology, 512))):
+        for option in enumerator.enumerate(_model(FOUR, 64), [sharders.EmbeddingBagCollectionSharder()]):
+            if option.sharding_type == "table_wise":
+                ddr[(label, option.name)] = option.shards[0].storage.ddr
+    adafactor_state = (rows + 64 + 1) * 4  # row_var (R, 1), col_var (1, C), step
+    expected = {
+        "amsgrad": 3 * weight + 4 - 2 * weight,  # exp_avg, exp_avg_sq, max_exp_avg_sq, step; TorchRec: 2x
+        "momentum": weight - 0,  # momentum_buffer; TorchRec: 0 for SGD
+        "adamw": 2 * weight + 4 - weight,  # TorchRec: 1x for "everything else"
+        "adafactor": adafactor_state + weight - weight,  # dense semantics: a shard gradient per step
+    }
+    for name, difference in expected.items():
+        assert ddr[("ours", name)] - ddr[("torchrec", name)] == difference, name
