@@ -249,10 +249,14 @@ def _unless(accumulation: Accumulation, arm: Callable[[], None]) -> Callable[[],
 
 
 def _with_kernel(sharding: ParameterSharding, table: TableKernel | None) -> ParameterSharding:
-    """The plan's sharding with the compute kernel the table's kind runs in."""
-    if table is None or sharding.sharding_type == ShardingType.DATA_PARALLEL.value or table.compute_kernel is None:
+    """The plan's sharding with the compute kernel the table's kind runs in
+    (:meth:`~sharders.kernels.TableKernel.kernel_for` the plan's)."""
+    if table is None or sharding.sharding_type == ShardingType.DATA_PARALLEL.value:
         return sharding
-    return dataclasses.replace(sharding, compute_kernel=EmbeddingComputeKernel(table.compute_kernel).value)
+    kernel = table.kernel_for(sharding.compute_kernel)
+    if kernel is None:
+        return sharding
+    return dataclasses.replace(sharding, compute_kernel=EmbeddingComputeKernel(kernel).value)
 
 
 def _leave_group(weight: torch.Tensor) -> None:

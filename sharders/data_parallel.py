@@ -38,6 +38,7 @@ class DataParallelTable(TableKernel):
 
     kind = KernelKind.DATA_PARALLEL
     compute_kernel = None  # the plan's own
+    plan_kernels = frozenset({"dense"})
     sharded_state = False  # the weight carries its annotation: get_optimizers finds it as a parameter
 
     @classmethod

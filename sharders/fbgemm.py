@@ -51,6 +51,11 @@ class FusedTable(TableKernel):
 
     kind = KernelKind.FUSED
     compute_kernel = "fused"
+    # FBGEMM computes the same exact update with the table in HBM, in UVM, or cached in HBM (CUDA).
+    plan_kernels = frozenset({"fused", "fused_uvm", "fused_uvm_caching"})
+
+    def kernel_for(self, planned: str) -> str | None:
+        return planned if planned in self.plan_kernels else self.compute_kernel
 
     def batch_key(self) -> Hashable:
         # A fused TBE has one learning rate: one kernel per annotation group (its LR schedule),

@@ -217,6 +217,9 @@ class TableKernel:
     compute_kernel: ClassVar[str | None] = "dense"  # asked of the plan; None: the plan's own (data parallel)
     sharded_state: ClassVar[bool] = True  # its state is a sharded table's (sharders.table_state); else none, or on its weight
     install_first: ClassVar[bool] = False  # its install() changes the module's lookups, which other kinds then hook
+    # The compute-kernel names a plan may give it ("fused" is how TorchRec's planner names every
+    # model-parallel kernel: its plan validation allows "dense" on data_parallel only).
+    plan_kernels: ClassVar[frozenset[str]] = frozenset({"dense", "fused"})
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -257,6 +260,11 @@ class TableKernel:
     def batch_key(self) -> Hashable:
         """Tables with equal keys may share one TorchRec kernel (one lookup, one update)."""
         return (self.kind, None if self.group is None else self.group.spec.share_key)
+
+    def kernel_for(self, planned: str) -> str | None:
+        """The compute kernel it runs where a plan names ``planned`` (one of :attr:`plan_kernels`);
+        None: the plan's own."""
+        return self.compute_kernel
 
     def fbgemm_kwargs(self) -> dict[str, Any]:
         """The fused params TorchRec passes to its kernel for this table (FBGEMM's, for fused ones)."""

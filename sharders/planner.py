@@ -8,12 +8,16 @@ sharder lists, whether or not the table's optimizer can run there. Our
 enumerator that, for every sharding option of a table sharded by our sharders:
 
 - asks the decision table (:func:`sharders.optimizer_table.decide`) what would
-  run it, and drops the option if the sharder would refuse it. A table left with
+  run it, and drops the option if the sharder would refuse it or run it in
+  another compute kernel than the option names (a fallback table offered
+  ``fused_uvm_caching`` runs in "dense", in HBM). A table left with
   no option is a ``ValueError`` at plan time naming the table, its optimizer and
   each reason. The option keeps TorchRec's kernel name ("fused" for a
   model-parallel table: TorchRec's plan validation allows "dense" on
   data_parallel only); the sharder runs the table's own kind there, and the
-  estimate is that kind's;
+  estimate is that kind's. The names each kind accepts are its
+  :attr:`~sharders.kernels.TableKernel.plan_kernels`; a fused table keeps
+  ``fused_uvm`` and ``fused_uvm_caching`` (CUDA), where FBGEMM's update is the same;
 - sizes its optimizer state per shard exactly, for the kernel that will run it
   (:meth:`sharders.kernels.TableKernel.state_bytes`: FBGEMM's fp32 state for fused
   tables, torch.optim's for the fallback, amsgrad's extra buffer included,
@@ -150,7 +154,11 @@ class FittingEnumerator(EmbeddingEnumerator):
             )
         except (ValueError, NotImplementedError) as err:
             return str(err)
-        return kernel_class(decision.kind)(decision)
+        kernel = kernel_class(decision.kind)(decision)
+        if option.compute_kernel not in kernel.plan_kernels:
+            return (f"compute kernel {option.compute_kernel}: the table runs as {kernel.runs_as()}, in "
+                    f"{kernel.kernel_for('fused') or 'dense'}, which the sharder would put there instead")
+        return kernel
 
     def _placed(self, option: ShardingOption, size: int) -> Storage:
         if self._device == "cpu" or option.compute_kernel in _HOST_KERNELS:

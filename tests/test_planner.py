@@ -110,3 +110,38 @@ def test_the_estimate_replaces_torchrecs_multiplier_by_the_kernels_bytes():
     }
     for name, difference in expected.items():
         assert ddr[("ours", name)] - ddr[("torchrec", name)] == difference, name
+
+
+def test_cuda_plans_are_checked_without_a_gpu():
+    """A CUDA topology, planned as a pure function: fused tables keep FBGEMM's UVM kernels (their state
+    then in host memory), fallback tables are offered only kernels they run in (their state in HBM),
+    and a plan's kernel name reaches the sharder as the kind runs it."""
+    import dataclasses
+
+    import torch
+    from torchrec.distributed.planner import Topology
+    from torchrec.distributed.types import ParameterSharding
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    import sharders
+    from _planner_bodies import ROWS, _model
+    from sharders.collection import _with_kernel
+    from sharders.planner import FittingEnumerator
+
+    specs = [("rowwise", RowWiseAdagrad, {"lr": 0.1}), ("adam", torch.optim.Adam, {"lr": 0.01})]
+    weight = ROWS * 64 * 4
+    enumerator = FittingEnumerator(Topology(world_size=2, compute_device="cuda", local_world_size=2), 512)
+    options = enumerator.enumerate(_model(specs, 64), [sharders.EmbeddingBagCollectionSharder()])
+    kernels = {(o.name, o.sharding_type): set() for o in options}
+    for option in options:
+        kernels[(option.name, option.sharding_type)].add(option.compute_kernel)
+        if option.name == "adam" and option.sharding_type == "table_wise":  # fallback: weights, 2 W of state, in HBM
+            assert option.shards[0].storage.hbm >= 3 * weight and option.shards[0].storage.ddr == 0
+        if (option.name, option.sharding_type, option.compute_kernel) == ("rowwise", "table_wise", "fused_uvm"):
+            assert option.shards[0].storage.ddr == weight + ROWS * 4  # the table and its (rows,) fp32 state
+    assert kernels[("rowwise", "table_wise")] == {"fused", "fused_uvm", "fused_uvm_caching"}
+    assert kernels[("adam", "table_wise")] == {"fused"}  # planned "fused", run in the fallback ("dense")
+    decision = {n: enumerator._kernel_of(o) for o in options for n in [o.name] if o.sharding_type == "table_wise"}
+    planned = ParameterSharding(sharding_type="table_wise", compute_kernel="fused_uvm_caching", ranks=[0])
+    assert _with_kernel(planned, decision["rowwise"]).compute_kernel == "fused_uvm_caching"
+    assert _with_kernel(dataclasses.replace(planned, compute_kernel="fused"), decision["adam"]).compute_kernel == "dense"
