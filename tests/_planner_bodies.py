@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.planner import ParameterConstraints, Topology
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
@@ -74,19 +74,21 @@ def capped(rank, world_size, which, cap, constraints=None):
     return {"types": types, "held": held_bytes(dmp) / weight}
 
 
-def state_sizes(rank, world_size, cases, sharding_type, rows=256, dim=16):
-    """Every case as a table of one EBC on ``sharding_type`` (those it accepts); after one step,
+def state_sizes(rank, world_size, cases, sharding_type, rows=256, dim=16, collection="ebc"):
+    """Every case as a table of one EBC (``collection="ec"``: EC) on ``sharding_type`` (those it accepts); after one step,
     per table: (bytes this rank holds of its weights and optimizer state, the planner's figure for
     them: the local shards' weights plus ``TableKernel.state_bytes`` of each)."""
     from _sharded_parity import _accepted_on
 
     kept = [c for c in cases if _accepted_on(c, sharding_type)]
-    ebc = EmbeddingBagCollection(tables=[
-        EmbeddingBagConfig(name=n, embedding_dim=dim, num_embeddings=rows, feature_names=[f"f_{n}"]) for n, _, _ in kept])
+    config, module, sharder, attr = (
+        (EmbeddingBagConfig, EmbeddingBagCollection, sharders.EmbeddingBagCollectionSharder(), "embedding_bags")
+        if collection == "ebc" else (EmbeddingConfig, EmbeddingCollection, sharders.EmbeddingCollectionSharder(), "embeddings"))
+    tables_module = module(tables=[
+        config(name=n, embedding_dim=dim, num_embeddings=rows, feature_names=[f"f_{n}"]) for n, _, _ in kept])
     for name, cls, kwargs in kept:
-        overlap_optim.apply_optimizer_in_backward(cls, [ebc.embedding_bags[name].weight], kwargs)
-    model = torch.nn.Sequential(ebc)
-    sharder = sharders.EmbeddingBagCollectionSharder()
+        overlap_optim.apply_optimizer_in_backward(cls, [getattr(tables_module, attr)[name].weight], kwargs)
+    model = torch.nn.Sequential(tables_module)
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
         constraints={n: ParameterConstraints(sharding_types=[sharding_type], min_partition=4) for n, _, _ in kept},
@@ -98,12 +100,14 @@ def state_sizes(rank, world_size, cases, sharding_type, rows=256, dim=16):
     kjt = KeyedJaggedTensor.from_lengths_sync(  # every row of every table, on every rank
         keys=[f"f_{n}" for n in names], values=torch.cat([torch.randperm(rows, generator=generator) for _ in names]),
         lengths=torch.full((len(names),), rows))
-    (sum(v.sum() for v in dmp(kjt).to_dict().values()) * 1e-3).backward()
+    looked_up = dmp(kjt)
+    looked_up = looked_up.to_dict() if hasattr(looked_up, "to_dict") else looked_up  # EBC: KeyedTensor; EC: dict
+    (sum(v.values().sum() if hasattr(v, "lengths") else v.sum() for v in looked_up.values()) * 1e-3).backward()
     weights, state = dmp.state_dict(), overlap_optim.get_optimizers(dmp).state_dict()["state"]
     tables = sharders.plan_of(dmp.module[0]).tables
     out = {}
     for name in names:
-        key = f"0.embedding_bags.{name}.weight"
+        key = f"0.{attr}.{name}.weight"
         if tables[name].sharded_state:  # each local shard's own state objects, as the kernel holds them
             held_state = [v for piece in tables[name].shards for v in piece.state.state.values()]
         else:  # data-parallel: the weight's optimizer, whole on every rank
