@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -12,7 +13,8 @@ from sharders.plan import plan_of
 
 __all__ = ["describe", "kernel_rows"]
 
-_HEADER = ("rank", "module", "kernel", "sharding type", "tables", "optimizer", "runs as", "semantics", "why not fused")
+_HEADER = ("rank", "module", "kernel", "sharding type", "tables", "optimizer", "runs as", "semantics", "why not fused",
+           "memory: held / planned")
 
 
 def kernel_rows(model: nn.Module) -> list[tuple[str, ...]]:
@@ -35,8 +37,45 @@ def kernel_rows(model: nn.Module) -> list[tuple[str, ...]]:
                 _per_table(tables, lambda t: t.runs_as()),
                 _per_table(tables, lambda t: t.semantics),
                 _per_table(tables, lambda t: t.why_not_fused()),
+                _memory(module, plan, kernel),
             ))
     return rows
+
+
+def _memory(module: nn.Module, plan, kernel: nn.Module) -> str:
+    """This rank's bytes of the kernel's table shards, weights and optimizer state: held now (every
+    state tensor of each shard's kernel) / planned (weights plus ``TableKernel.state_bytes``, what
+    :mod:`sharders.planner` counts; per-step buffers and I/O aside)."""
+    held = planned = 0
+    for config in kernel.config.embedding_tables:
+        table = plan.tables[config.name]
+        shape = tuple(config.local_metadata.shard_sizes) if config.local_metadata is not None else table.decision.shape
+        weights = shape[0] * shape[1] * 4  # float32 tables
+        planned += weights + table.state_bytes(shape)
+        held += weights + sum(_bytes(v) for v in _state_of(module, plan, table, config).values())
+    return f"{_human(held)} / {_human(planned)}"
+
+
+def _state_of(module: nn.Module, plan, table: TableKernel, config) -> dict:
+    """The optimizer state one shard (``config``) of ``table`` holds on this rank."""
+    for piece in table.shards:
+        if piece.metadata is config.local_metadata:
+            return {k: v for k, v in piece.state.state.items() if k in piece.state.row_state or torch.is_tensor(v)}
+    weight = getattr(getattr(module, plan.state.tables_attr)[table.table], "weight", None)
+    optimizers = getattr(weight, "_in_backward_optimizers", [])  # data-parallel: the weight's own optimizer
+    return dict(optimizers[0].state.get(weight, {})) if optimizers and hasattr(optimizers[0], "state") else {}
+
+
+def _bytes(value) -> int:
+    return value.numel() * value.element_size() if torch.is_tensor(value) else 0
+
+
+def _human(size: int) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024 or unit == "MiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
 
 
 def _table_names(tables: list[TableKernel]) -> str:
@@ -59,8 +98,9 @@ def describe(model: nn.Module) -> str:
     optimizer and settings (each table's, where the tables of a fallback kernel
     differ in float settings: one virtual group), fused or fallback, its semantics ("lazy": only the
     rows a batch touched change; "dense": every row steps, untouched ones on a
-    zero gradient; "frozen": never updated), and for a fallback which setting prevented fusion. A kernel that
-    holds several shards of one table (column shards, say) names it once, with the count.
+    zero gradient; "frozen": never updated), for a fallback which setting prevented fusion, and the bytes of
+    weights and optimizer state the rank holds for the kernel, beside what :mod:`sharders.planner` plans
+    for them. A kernel that holds several shards of one table (column shards, say) names it once, with the count.
 
     Under ``torch.distributed`` this is a collective: call it on every rank; each
     returns the whole table.

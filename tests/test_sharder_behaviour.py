@@ -51,6 +51,10 @@ def test_one_kernel_per_distinct_setting_and_describe_says_why(results, case):
     fallback = [r for r in rows if "fallback" in r]
     assert len(fallback) == 3
     assert all("FBGEMM has no kernel verified exact on cpu" in r for r in fallback)
+    units = {"B": 1, "KiB": 1024, "MiB": 1024**2}
+    for row in rows:  # the memory column: held now, and what the planner counts, within 1%
+        held, planned = (float(v.split()[0]) * units[v.split()[1]] for v in row.split(" | ")[-1].rstrip(" |").split(" / "))
+        assert abs(held - planned) <= 0.01 * planned and planned > 0, row
 
 
 @pytest.mark.parametrize("case", ["grouping"])
