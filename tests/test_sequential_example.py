@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,9 +86,11 @@ def test_example_on_two_ranks_trains_as_its_one_process_baseline(tmp_path):
     assert "Warning" not in run.stderr, run.stderr[-2000:]
 
 
-def test_example_rejects_bad_flags_and_too_few_items_without_a_traceback(tmp_path):
-    bad = _example("--negatives", "0")
-    assert bad.returncode == 2 and "--negatives must be at least 1, got 0" in bad.stderr
-    few = _example("--data-dir", str(_sequences(tmp_path / "data", items=110)), "--out", str(tmp_path / "out"))
-    assert few.returncode == 2 and "fewer than 100 unrated items remain" in few.stderr
-    assert "Traceback" not in few.stderr
+def test_example_rejects_bad_flags_and_too_few_items_without_a_traceback(tmp_path, capsys):
+    import sequential  # in this process: both errors come before any rank starts
+
+    with pytest.raises(SystemExit) as bad:
+        sequential.main(["--negatives", "0"])
+    assert bad.value.code == 2 and "--negatives must be at least 1, got 0" in capsys.readouterr().err
+    few = sequential.main(["--data-dir", str(_sequences(tmp_path / "data", items=110)), "--out", str(tmp_path / "out")])
+    assert few == 2 and "fewer than 100 unrated items remain" in capsys.readouterr().err
