@@ -1,10 +1,13 @@
-"""Alternating, interleaved timing of peers in one process: medians and spreads."""
+"""Measuring peers: alternating, interleaved timing in one process (medians and spreads), and peak RSS."""
 
 from __future__ import annotations
 
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
+
+from overlap_optim.testing import run_ranks
 
 
 def time_peers(peers: dict[str, Callable[[], None]], warmup: int, repeats: int) -> dict[str, dict[str, float]]:
@@ -29,3 +32,20 @@ def _summary(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
     quartiles = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else [ordered[0]] * 3
     return {"median_s": statistics.median(ordered), "p25_s": quartiles[0], "p75_s": quartiles[2]}
+
+
+def peak_rss_kib(fn: Callable[..., int], peers: list[str], *args: Any, quick: bool, timeout: float = 600.0) -> dict[str, int]:
+    """``{peer: the largest of fn(rank, world_size, peer, *args) over the ranks}``: each rank's peak RSS.
+
+    A peak is a peer's own only in processes that ran nothing else, so the full run starts one
+    group of ranks per peer. Quick mode (smoke: its numbers mean nothing) runs the peers in turn
+    in one group, which saves a start of torch per peer; the later peers then report the running peak.
+    """
+    if not quick:
+        return {peer: max(run_ranks(fn, peer, *args, timeout=timeout)) for peer in peers}
+    by_rank = run_ranks(_each_peer, fn, list(peers), args, timeout=timeout)
+    return {peer: max(result[peer] for result in by_rank) for peer in peers}
+
+
+def _each_peer(rank: int, world_size: int, fn: Callable[..., int], peers: list[str], args: tuple) -> dict[str, int]:
+    return {peer: fn(rank, world_size, peer, *args) for peer in peers}

@@ -24,7 +24,7 @@ import resource
 import torch
 import torch.distributed as dist
 
-from benchmarks._timing import time_peers
+from benchmarks._timing import peak_rss_kib, time_peers
 from benchmarks.sparse_vs_torchrec import SETTINGS, _batches, _Model, _sizes
 from overlap_optim import apply_optimizer_in_backward, get_optimizers, no_step
 from overlap_optim.testing import run_ranks
@@ -120,7 +120,7 @@ def run(quick: bool) -> dict:
     warmup, repeats, rounds = (1, 3, 2) if quick else (2, 12, 4)
     timings = run_ranks(_time, quick, warmup, repeats, timeout=1800)[0]
     median = {peer: t["median_s"] for peer, t in timings.items()}
-    memory = {peer: max(run_ranks(_memory, peer, quick, rounds)) for peer in PEERS}
+    memory = peak_rss_kib(_memory, list(PEERS), quick, rounds, quick=quick)
     held = run_ranks(_held, quick, (2, 4, 8))
     held_mib = {k: max(r[k] for r in held) / 2**20 for k in (2, 4, 8)}
     ratios = {

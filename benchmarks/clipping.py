@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks._timing import time_peers
+from benchmarks._timing import peak_rss_kib, time_peers
 from benchmarks.dense_hook import LRS, WIDTHS, _ddp_plain, _thirds, _tower
 from benchmarks.sparse_vs_torchrec import SETTINGS, _batches, _Model, _sizes
 from overlap_optim import apply_gradient_clipping, apply_optimizer_in_backward, register_optimizer_hook
@@ -219,8 +219,7 @@ def run(quick: bool) -> dict:
         ratios[f"dense ddp_clip / ours_clipped, batch {dense_batch} (target >= 1)"] = median["ddp_clip"] / clipped
         ratios[f"dense ddp_clip / ddp_foreach: torch's clipping cost, batch {dense_batch}"] = (
             median["ddp_clip"] / median["ddp_foreach"])
-    memory = {peer: max(run_ranks(_memory, peer, layers, dense_batches[-1], 3 if quick else 10))
-              for peer in MEMORY_PEERS}
+    memory = peak_rss_kib(_memory, list(MEMORY_PEERS), layers, dense_batches[-1], 3 if quick else 10, quick=quick)
     ratios["dense peak RSS ours_clipped / ddp_clip"] = memory["ours_clipped"] / memory["ddp_clip"]
     return {
         "setup": {"ranks": 2, "binding": BINDING, "norm_type": 2.0, "repeats": repeats,

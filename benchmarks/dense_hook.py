@@ -31,7 +31,7 @@ from torch.autograd import Variable
 from torch.distributed.optim.apply_optimizer_in_backward import _apply_optimizer_in_backward
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks._timing import time_peers
+from benchmarks._timing import peak_rss_kib, time_peers
 from overlap_optim import apply_optimizer_in_backward, register_optimizer_hook
 from overlap_optim.testing import run_ranks
 
@@ -164,7 +164,7 @@ def run(quick: bool) -> dict:
         base = timed[BASELINE]["median_s"]
         ratios[f"update cost (step - {BASELINE}): torch_in_backward / ours, batch {batch}"] = (
             timed["torch_in_backward"]["median_s"] - base) / max(ours - base, 1e-9)
-    memory = {peer: max(run_ranks(_memory, peer, layers, batches[-1], 3 if quick else 10)) for peer in PEERS[:3]}
+    memory = peak_rss_kib(_memory, list(PEERS[:3]), layers, batches[-1], 3 if quick else 10, quick=quick)
     ratios["peak RSS ours / torch_in_backward"] = memory["ours"] / memory["torch_in_backward"]
     ratios["peak RSS ours / ddp_foreach"] = memory["ours"] / memory["ddp_foreach"]
     return {

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
-from benchmarks._timing import time_peers
+from benchmarks._timing import peak_rss_kib, time_peers
 from overlap_optim.testing import run_ranks
 
 DIM = 64
@@ -144,8 +144,7 @@ def run(quick: bool, collection: str = "ebc") -> dict:
     rows, batch, pooling = _sizes(quick)
     warmup, repeats = (1, 3) if quick else (4, 24)
     timings = run_ranks(_time, quick, warmup, repeats, collection, timeout=900)[0]
-    memory = {peer: max(run_ranks(_memory, peer, quick, 2 if quick else 5, collection, timeout=600))
-              for peer in ("ours", "torchrec")}
+    memory = peak_rss_kib(_memory, ["ours", "torchrec"], quick, 2 if quick else 5, collection, quick=quick)
     return {
         "setup": {"collection": collection, "tables": len(rows), "rows": rows, "dim": DIM, "batch_per_rank": batch,
                   "ids_per_sample": pooling, "ranks": 2, "sharding": "table_wise",

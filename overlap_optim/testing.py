@@ -3,9 +3,11 @@
 :func:`run_ranks` runs one function on every rank. A rank's exception comes back to the
 parent with its traceback; ranks that outlive the timeout are killed.
 
-:func:`run_cases` runs many named cases in one spawned group (a torch import costs seconds)
+:func:`run_cases` runs many named cases in a spawned group (a torch import costs seconds)
 and keeps each case's outcome apart: a case that raises is recorded under its name, with its
-traceback, and the next case runs. :func:`selected_cases` tells a pytest fixture which cases
+traceback, and the next case runs. The group outlives the call: the next ``run_cases`` of the
+same world size (the next test module's) runs in it too, until a case stalls or a rank dies,
+after which a fresh group starts. :func:`selected_cases` tells a pytest fixture which cases
 the tests selected in this session (``-k``, node ids) need. A test module uses them so::
 
     CASES = {"table_wise": partial(train, sharding_type="table_wise"), ...}  # fn(rank, world_size)
@@ -22,6 +24,8 @@ the tests selected in this session (``-k``, node ids) need. A test module uses t
 
 from __future__ import annotations
 
+import atexit
+import itertools
 import os
 import pickle
 import queue
@@ -131,15 +135,19 @@ def run_ranks(fn: Callable, *args: Any, world_size: int = 2, timeout: float = 24
     return [outcome[r][1] for r in range(world_size)]
 
 
-# -- many cases in one spawned group --
+# -- many cases in one spawned group, kept for the next run_cases --
 
 
 _KEYS = "overlap_optim.testing/"
 _STOP = _KEYS + "stop"
 
 
-def _case_key(name: str, rank: int) -> str:
-    return f"{_KEYS}{name}/{rank}"
+def _case_key(batch: int, name: str, rank: int) -> str:
+    return f"{_KEYS}{batch}/{name}/{rank}"
+
+
+def _stop_key(batch: int) -> str:
+    return f"{_STOP}/{batch}"
 
 
 def _run_one(fn: Callable, rank: int, world_size: int, args: tuple) -> tuple[str, Any]:
@@ -149,7 +157,8 @@ def _run_one(fn: Callable, rank: int, world_size: int, args: tuple) -> tuple[str
         return "failed", traceback.format_exc()
 
 
-def _finish(store: dist.Store, name: str, rank: int, world_size: int, status: str, straggler_timeout: float) -> str:
+def _finish(store: dist.Store, batch: int, name: str, rank: int, world_size: int, status: str,
+            straggler_timeout: float) -> str:
     """Wait, in the store (outside gloo), until every rank has finished case ``name``: "" to go
     on, or why this rank stops here.
 
@@ -158,39 +167,115 @@ def _finish(store: dist.Store, name: str, rank: int, world_size: int, status: st
     that waited in vain tells the others (``_STOP``) and leaves, which also ends its peer's wait
     in gloo with an error that shows where the peer waited."""
     try:
-        store.set(_case_key(name, rank), status)
-        store.wait([_case_key(name, r) for r in range(world_size)], timedelta(seconds=straggler_timeout))
+        store.set(_case_key(batch, name, rank), status)
+        store.wait([_case_key(batch, name, r) for r in range(world_size)], timedelta(seconds=straggler_timeout))
     except Exception:  # noqa: BLE001 - the store's timeout, or its host (rank 0) has left
         try:
-            store.set(_STOP, name)
+            store.set(_stop_key(batch), name)
         except Exception:  # noqa: BLE001 - rank 0 has left: the others learn it from the store anyway
             pass
         return f"stopped after case {name!r}: not every rank had finished it {straggler_timeout:.0f}s after this one"
-    if store.check([_STOP]):
+    if store.check([_stop_key(batch)]):
         return f"stopped after case {name!r}, as another rank did"
     return ""
 
 
-def _case_entry(rank: int, world_size: int, port: int, timeout: float, cases: Mapping[str, Callable],
-                names: list[str], args: tuple, straggler_timeout: float, results: Any) -> None:
-    """Run the cases in order; report each one's start and outcome, then how this rank ended."""
+def _case_entry(rank: int, world_size: int, port: int, timeout: float, tasks: Any, results: Any) -> None:
+    """Join the group once, then run each batch of cases that ``tasks`` brings, in order, until
+    None comes: report each case's start and outcome, then how the batch ended. A batch that
+    stops early (a stalled case) ends the group: its ranks may still be paired in a collective."""
     ended = ("error", "")
     try:
         store = _init(rank, world_size, port, timeout)
-        for name in names:
-            results.put((rank, "start", name))
-            status, value = _run_one(cases[name], rank, world_size, args)
-            results.put((rank, status, (name, value)))
-            why = _finish(store, name, rank, world_size, status, straggler_timeout)
-            if why:
-                ended = ("stopped", why)
-                break
-        else:
+        while (task := tasks.get()) is not None:
+            batch, cases, names, args, straggler_timeout = task
             ended = ("done", "")
+            for name in names:
+                results.put((batch, rank, "start", name))
+                status, value = _run_one(cases[name], rank, world_size, args)
+                results.put((batch, rank, status, (name, value)))
+                why = _finish(store, batch, name, rank, world_size, status, straggler_timeout)
+                if why:
+                    ended = ("stopped", why)
+                    break
+            results.put((batch, rank, *ended))
+            if ended[0] != "done":
+                break
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         ended = ("error", f"raised outside any case:\n{traceback.format_exc()}")
-    results.put((rank, *ended))
+        results.put((-1, rank, *ended))
     _leave(results, ended[0] == "done")
+
+
+class _Group:
+    """A spawned group of ranks that runs batches of cases (:func:`_case_entry`) until closed."""
+
+    _open: dict[int, _Group] = {}  # world size -> the group kept for the next run_cases
+    _batches = itertools.count()
+
+    def __init__(self, world_size: int, timeout: float) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size, self.results = world_size, ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = _free_port()
+        self.procs = [ctx.Process(target=_case_entry, args=(r, world_size, port, timeout, self.tasks[r], self.results))
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    @classmethod
+    def take(cls, world_size: int, timeout: float) -> _Group:
+        """The open group of ``world_size`` ranks if every rank is alive, else a new one."""
+        group = cls._open.pop(world_size, None)
+        if group is not None and all(p.exitcode is None for p in group.procs):
+            return group
+        if group is not None:
+            group.close()
+        return cls(world_size, timeout)
+
+    def keep(self) -> None:
+        if not self._open:
+            atexit.register(_Group.close_all)
+        _Group._open[self.world_size] = self
+
+    def run(self, cases: dict, names: list[str], args: tuple, timeout: float, straggler_timeout: float) -> _CaseLog:
+        batch = next(self._batches)
+        for tasks in self.tasks:
+            tasks.put((batch, cases, names, args, straggler_timeout))
+        log = _CaseLog(names, self.world_size)
+        deadline = time.monotonic() + timeout
+        while len(log.ended) < self.world_size and time.monotonic() < deadline:
+            try:
+                sent, rank, kind, value = self.results.get(timeout=1.0)
+                if sent in (batch, -1):
+                    log.record(rank, kind, value)
+            except queue.Empty:
+                for rank, p in enumerate(self.procs):
+                    if p.exitcode is not None and rank not in log.ended:
+                        log.ended[rank] = f"died (exit code {p.exitcode})"
+            if log.stopped_early():  # one rank stopped: the others cannot go on long without it
+                deadline = min(deadline, time.monotonic() + _GRACE)
+        stopped = [r for r, why in sorted(log.ended.items()) if why]
+        why = (f"killed after rank {stopped[0]} {log.ended[stopped[0]].splitlines()[0].rstrip(':')}" if stopped
+               else f"killed at the group's {timeout:.0f}s timeout")
+        for rank in set(range(self.world_size)) - set(log.ended):
+            log.ended[rank] = why
+        return log
+
+    def close(self, wait: bool = False) -> None:
+        """Stop the ranks: let them leave (``wait``), or kill them (one waits in a collective)."""
+        if wait:
+            for tasks in self.tasks:
+                tasks.put(None)
+        else:
+            for p in self.procs:
+                p.kill()
+        _stop(self.procs)
+
+    @classmethod
+    def close_all(cls) -> None:
+        while cls._open:
+            cls._open.popitem()[1].close(wait=True)
 
 
 class CaseResults:
@@ -268,7 +353,9 @@ class _CaseLog:
 def run_cases(cases: Mapping[str, Callable], names: Iterable[str] | None = None, *args: Any, world_size: int = 2,
               timeout: float = 240.0, straggler_timeout: float = 120.0) -> CaseResults:
     """Run ``cases[name](rank, world_size, *args)`` for each name, in ``cases``' order, in one
-    spawned group of ``world_size`` ranks; each case's outcome is kept apart.
+    spawned group of ``world_size`` ranks; each case's outcome is kept apart. The group is the
+    one the previous call of this world size left, when it ended well, so a case must leave the
+    process as it found it (its process group, global settings).
 
     A case that raises on some rank is recorded with its traceback, and the next case runs once
     every rank has finished the failed one. The group stops at a case that a rank has not
@@ -293,27 +380,12 @@ def run_cases(cases: Mapping[str, Callable], names: Iterable[str] | None = None,
     if unknown:
         raise ValueError(f"unknown case(s) {unknown}; the cases are {list(cases)}")
     names = [n for n in cases if n in set(names)]
-    procs, results = _start(_case_entry, world_size, (timeout, dict(cases), names, args, straggler_timeout))
-    log = _CaseLog(names, world_size)
-    deadline = time.monotonic() + timeout
-    try:
-        while len(log.ended) < world_size and time.monotonic() < deadline:
-            try:
-                log.record(*results.get(timeout=1.0))
-            except queue.Empty:
-                for rank, p in enumerate(procs):
-                    if p.exitcode not in (None, 0) and rank not in log.ended:
-                        log.ended[rank] = f"died (exit code {p.exitcode})"
-            if log.stopped_early():  # one rank stopped: the others cannot go on long without it
-                deadline = min(deadline, time.monotonic() + _GRACE)
-        stopped = [r for r, why in sorted(log.ended.items()) if why]
-        why = (f"killed after rank {stopped[0]} {log.ended[stopped[0]].splitlines()[0].rstrip(':')}" if stopped
-               else f"killed at the group's {timeout:.0f}s timeout")
-        for rank in set(range(world_size)) - set(log.ended):
-            log.ended[rank] = why
-            procs[rank].kill()  # waiting in a collective for a rank that has gone, or past the timeout
-    finally:
-        _stop(procs)
+    group = _Group.take(world_size, timeout)
+    log = group.run(dict(cases), names, args, timeout, straggler_timeout)
+    if log.stopped_early():  # a rank stopped, died or outlived the timeout: the group is not reused
+        group.close()
+    else:
+        group.keep()
     return log.results()
 
 

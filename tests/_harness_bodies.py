@@ -37,3 +37,7 @@ def waits_for_one_that_fails(rank, world_size):
 
 def unpicklable(rank, world_size):
     return lambda: rank
+
+
+def pid(rank, world_size):
+    return os.getpid()

@@ -108,11 +108,15 @@ def test_demo_smoke_on_two_ranks_then_resume(tmp_path):
     assert [h["epoch"] for h in history] == [1, 2, 3]
 
 
-def test_demo_rejects_bad_flags_and_missing_data_without_a_traceback(tmp_path):
-    bad = _demo("--epochs", "0")
-    assert bad.returncode == 2 and "--epochs must be at least 1, got 0" in bad.stderr
-    missing = _demo("--data-dir", str(tmp_path))
-    assert missing.returncode == 2 and "lacks" in missing.stderr and "Traceback" not in missing.stderr
+def test_demo_rejects_bad_flags_and_missing_data_without_a_traceback(tmp_path, capsys):
+    import movielens  # in this process: both errors come before any rank starts
+
+    with pytest.raises(SystemExit) as bad:
+        movielens.main(["--epochs", "0"])
+    assert bad.value.code == 2 and "--epochs must be at least 1, got 0" in capsys.readouterr().err
+    assert movielens.main(["--data-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "lacks" in err and "Traceback" not in err
 
 
 def test_demo_with_local_sgd_counts_the_dense_all_reduces_and_plots_the_period(tmp_path):

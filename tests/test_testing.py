@@ -6,7 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from _harness_bodies import aborts_on_one, raises_on_both, raises_on_one, summed, unpicklable, waits_for_one_that_fails
+from _harness_bodies import (
+    aborts_on_one, pid, raises_on_both, raises_on_one, summed, unpicklable, waits_for_one_that_fails,
+)
 from overlap_optim.testing import CaseResults, run_cases, run_ranks, selected_cases
 
 
@@ -74,6 +76,18 @@ def test_a_peer_left_waiting_in_a_collective_stops_the_group_and_names_the_case(
                                              r"case 'waits_for_a_failed_peer': not every rank had finished it 5s after"):
         results["after_the_stall"]
     assert elapsed < 90, "the group waited for its timeout instead of stopping at the stalled case"
+
+
+def test_the_next_run_cases_runs_in_the_same_group_until_a_case_stalls():
+    first = run_cases({"pid": pid})["pid"]
+    again = run_cases({"fails": raises_on_one, "pid": pid, "sums": summed})  # a failed case keeps the group
+    assert again["pid"] == first and again["sums"] == [3.0, 3.0]
+    assert run_cases({"pid": pid}, world_size=1)["pid"][0] not in first  # another world size, another group
+    stalled = run_cases({"stalls": waits_for_one_that_fails, "pid": pid}, straggler_timeout=2)
+    with pytest.raises(AssertionError, match="case 'pid' was not run"):
+        stalled["pid"]
+    fresh = run_cases({"pid": pid, "sums": summed})
+    assert set(fresh["pid"]).isdisjoint(first) and fresh["sums"] == [3.0, 3.0]
 
 
 def test_unknown_cases_are_refused_by_name():
