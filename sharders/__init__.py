@@ -11,8 +11,9 @@ from sharders.kernels import KernelChoice, KernelKind, TableDecision, TableKerne
 from sharders.optimizer_table import choose_kernel
 from sharders.planner import EmbeddingShardingPlanner
 from sharders.plan import ShardedModulePlan, plan_of
+from sharders.storage_reservation import DenseStorageReservation, dense_bytes
 
 __all__ = [
-    "DataParallelWrapper", "describe", "EmbeddingBagCollectionSharder", "EmbeddingCollectionSharder", "EmbeddingShardingPlanner", "KernelChoice", "KernelKind", "TableDecision",
+    "DataParallelWrapper", "DenseStorageReservation", "dense_bytes", "describe", "EmbeddingBagCollectionSharder", "EmbeddingCollectionSharder", "EmbeddingShardingPlanner", "KernelChoice", "KernelKind", "TableDecision",
     "TableKernel", "ShardedModulePlan", "choose_kernel", "plan_of",
 ]

@@ -53,6 +53,7 @@ from overlap_optim.spec import AnnotationGroup
 from sharders.collection import CollectionSharder
 from sharders.kernels import TableKernel, kernel_class
 from sharders.optimizer_table import decide
+from sharders.storage_reservation import DenseStorageReservation
 
 __all__ = ["EmbeddingShardingPlanner"]
 
@@ -63,7 +64,10 @@ _HOST_KERNELS = {EmbeddingComputeKernel.FUSED_UVM.value, EmbeddingComputeKernel.
 class EmbeddingShardingPlanner(_TorchRecPlanner):
     """Drop-in for TorchRec's ``EmbeddingShardingPlanner`` (same arguments); see the module doc.
 
-    An ``enumerator`` given explicitly is used as given (TorchRec's estimates).
+    An ``enumerator`` given explicitly is used as given (TorchRec's estimates). Without a
+    ``storage_reservation``, the dense part is reserved exactly from its annotations
+    (:class:`sharders.storage_reservation.DenseStorageReservation`, 15% of HBM as a margin as in
+    TorchRec's default) instead of TorchRec's 6x the dense parameters.
 
     Example:
         >>> planner = EmbeddingShardingPlanner(topology=Topology(world_size=2, compute_device="cpu"))
@@ -72,6 +76,10 @@ class EmbeddingShardingPlanner(_TorchRecPlanner):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         own = kwargs.get("enumerator") is None and (len(args) < 3 or args[2] is None)
+        if len(args) > 3:
+            args = (*args[:3], args[3] or DenseStorageReservation(), *args[4:])
+        elif kwargs.get("storage_reservation") is None:
+            kwargs["storage_reservation"] = DenseStorageReservation()
         super().__init__(*args, **kwargs)
         if own:
             self._enumerator = FittingEnumerator(

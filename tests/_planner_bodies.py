@@ -74,6 +74,56 @@ def capped(rank, world_size, which, cap, constraints=None):
     return {"types": types, "held": held_bytes(dmp) / weight}
 
 
+class _WithDense(torch.nn.Module):
+    """The issue's four tables and a dense part: a 256 x 256 layer under AdamW, a 256 x 1 one under
+    SGD with momentum (about 1 W under DDP with their state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ebc = _model(FOUR, 64)[0]
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(4 * 64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+        overlap_optim.apply_optimizer_in_backward(torch.optim.AdamW, self.mlp[0].parameters(), {"lr": 0.01})
+        overlap_optim.apply_optimizer_in_backward(torch.optim.SGD, self.mlp[2].parameters(), {"lr": 0.1, "momentum": 0.9})
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        return self.mlp(self.ebc(kjt).values()).sum()
+
+
+def with_dense(rank, world_size, cap):
+    """The four tables and a dense part planned under a DDR cap of ``cap`` table weights per rank by our
+    planner with its default reservation (the dense part's bytes), sharded with our data-parallel
+    wrapper; one step. Returns, in table weights: what the reservation took for the dense part, what
+    the dense part holds after the step (its parameters, DDP's gradient buckets as DDP reports them,
+    and the optimizer state of its parameters) and all this rank holds (tables too); or the error."""
+    weight = ROWS * 64 * 4
+    model = _WithDense()
+    sharder = sharders.EmbeddingBagCollectionSharder()
+    planner = EmbeddingShardingPlanner(topology=Topology(
+        world_size=world_size, compute_device="cpu", local_world_size=world_size, ddr_cap=int(cap * weight)))
+    try:
+        plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
+    except Exception as err:  # noqa: BLE001 - the message is what the test checks
+        return {"error": f"{type(err).__name__}: {err}"}
+    reserved = sharders.dense_bytes(model, [sharder])
+    if rank == 0:  # the rank that planned: the reservation took exactly that
+        assert planner._storage_reservation._dense_storage.ddr == reserved
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder],
+                                   data_parallel_wrapper=sharders.DataParallelWrapper())
+    generator = torch.Generator().manual_seed(rank)
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"f_{n}" for n, _, _ in FOUR], values=torch.randint(0, ROWS, (4 * 64 * 5,), generator=generator),
+        lengths=torch.full((4 * 64,), 5))
+    dmp(kjt).backward()
+    (ddp,) = [m for m in dmp.modules() if isinstance(m, torch.nn.parallel.DistributedDataParallel)]
+    buckets = sum(int(b) for b in ddp._get_ddp_logging_data()["bucket_sizes"].split(", "))
+    dense = {k: v for k, v in dmp.state_dict().items() if ".mlp." in f".{k}"}
+    state = overlap_optim.get_optimizers(dmp).state_dict()["state"]
+    held_dense = sum(_size(v) for v in dense.values()) + buckets + sum(
+        _size(v, scalars=True) for key, entry in state.items() if ".mlp." in f".{key}" for v in entry.values())
+    return {"reserved": reserved / weight, "dense": held_dense / weight, "held": (held_bytes(dmp) + held_dense) / weight,
+            "mlp_keys": sorted(k for k in state if "mlp" in k)}
+
+
 def state_sizes(rank, world_size, cases, sharding_type, rows=256, dim=16, collection="ebc"):
     """Every case as a table of one EBC (``collection="ec"``: EC) on ``sharding_type`` (those it accepts); after one step,
     per table: (bytes this rank holds of its weights and optimizer state, the planner's figure for

@@ -7,6 +7,7 @@ exactly (4, 2, 3 and about 1 W with the weights, plus Adafactor's per-step gradi
 it raises PlannerError on every rank, and at 7 W its plan holds after one step. A 4000 x 256
 RowWiseAdagrad table that a cap forces to split is proposed row_wise, never column_wise (where
 our sharder refuses it), and a constraint that leaves it only column_wise is refused at plan time.
+With a dense part beside the tables, the default reservation is what the dense part holds after a step.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from functools import partial
 import pytest
 
 from overlap_optim.testing import run_cases, selected_cases
-from _planner_bodies import capped, state_sizes
+from _planner_bodies import capped, state_sizes, with_dense
 from test_sharder_parity import CASES as PARITY_CASES
 
 CAPS = (5.0, 6.0, 6.75, 7.0, 8.0)  # in W; 6.75: 3% above the tightest packing (6.54 W, I/O included)
@@ -24,12 +25,21 @@ CASES = {
     **{f"four/{cap}W": partial(capped, which="four", cap=cap) for cap in CAPS},
     "wide/0.9W": partial(capped, which="wide", cap=0.9),
     "wide/column_only": partial(capped, which="wide", cap=0.9, constraints={"rowwise": ["column_wise"]}),
+    **{f"dense/{cap}W": partial(with_dense, cap=cap) for cap in (7.0, 8.0)},
 }
+
+SIZE_TYPES = ("data_parallel", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
+SIZES = {f"sizes/{st}": partial(state_sizes, cases=PARITY_CASES, sharding_type=st) for st in SIZE_TYPES}
+SIZES.update({f"sizes/ec/{st}": partial(state_sizes, cases=PARITY_CASES, sharding_type=st, collection="ec")
+              for st in ("data_parallel", "table_wise", "column_wise", "row_wise")})
+
+
+ALL = {**CASES, **SIZES}  # one spawned group
 
 
 @pytest.fixture(scope="module")
 def ranks(request):
-    return run_cases(CASES, selected_cases(request, CASES), timeout=400)
+    return run_cases(ALL, selected_cases(request, ALL), timeout=400)
 
 
 @pytest.mark.parametrize("case", ["four/5.0W", "four/6.0W"])
@@ -62,29 +72,37 @@ def test_a_constraint_that_leaves_only_refused_types_is_refused_at_plan_time(ran
         assert "table 'rowwise'" in out["error"] and "RowWiseAdagrad" in out["error"] and "column" in out["error"]
 
 
-SIZE_TYPES = ("data_parallel", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
-SIZES = {f"sizes/{st}": partial(state_sizes, cases=PARITY_CASES, sharding_type=st) for st in SIZE_TYPES}
-SIZES.update({f"sizes/ec/{st}": partial(state_sizes, cases=PARITY_CASES, sharding_type=st, collection="ec")
-              for st in ("data_parallel", "table_wise", "column_wise", "row_wise")})
+@pytest.mark.parametrize("case", ["dense/7.0W"])
+def test_the_dense_part_is_reserved_first(ranks, case):
+    """A dense part of about 1 W (AdamW and SGD momentum in backward, under DDP): under 7 W, where the
+    tables alone fit (four/7.0W), our planner's default reservation leaves them too little."""
+    for out in ranks[case]:
+        assert out["error"].startswith("PlannerError: ") and "insufficient storage" in out["error"], out
 
 
-@pytest.fixture(scope="module")
-def sizes(request):
-    return run_cases(SIZES, selected_cases(request, SIZES), timeout=400)
+@pytest.mark.parametrize("case", ["dense/8.0W"])
+def test_the_dense_part_is_reserved_as_it_is_held_and_the_plan_fits_beside_it(ranks, case):
+    """The reservation is what the dense part holds after a step, within 1% (its parameters, DDP's
+    buckets, the optimizer state); under 8 W the plan holds tables and dense part after a step."""
+    for rank, out in enumerate(ranks[case]):
+        assert "error" not in out, out
+        assert out["mlp_keys"], "the dense part has no optimizer state: the test measures nothing"
+        assert out["dense"] > 0.9 and abs(out["reserved"] - out["dense"]) <= 0.01 * out["dense"], out
+        assert out["held"] <= 8.0, f"rank {rank} holds {out['held']:.3f} W under an 8 W cap"
 
 
 @pytest.mark.parametrize("case", list(SIZES))
-def test_the_planners_state_bytes_are_the_bytes_held_after_a_step(sizes, case):
+def test_the_planners_state_bytes_are_the_bytes_held_after_a_step(ranks, case):
     """Every optimizer of the parity matrix on ``case``'s sharding type (EBC, and EC), 256 x 16 tables: the local
     weights plus ``state_bytes`` of each local shard (what the planner adds) within 1% of the
     weights and optimizer state this rank holds after one step (every tensor, scalars included)."""
     off = []
-    for rank, tables in enumerate(sizes[case]):
+    for rank, tables in enumerate(ranks[case]):
         for name, (held, estimate) in tables.items():
             if abs(estimate - held) > 0.01 * held:
                 off.append(f"rank {rank}, {name}: planned {estimate} bytes, holds {held}")
     assert not off, "\n".join(off)
-    assert any(held for tables in sizes[case] for held, _ in tables.values())
+    assert any(held for tables in ranks[case] for held, _ in tables.values())
 
 
 def test_the_estimate_replaces_torchrecs_multiplier_by_the_kernels_bytes():
@@ -148,3 +166,41 @@ def test_cuda_plans_are_checked_without_a_gpu():
     planned = ParameterSharding(sharding_type="table_wise", compute_kernel="fused_uvm_caching", ranks=[0])
     assert _with_kernel(planned, decision["rowwise"]).compute_kernel == "fused_uvm_caching"
     assert _with_kernel(dataclasses.replace(planned, compute_kernel="fused"), decision["adam"]).compute_kernel == "dense"
+
+
+def test_dense_bytes_counts_parameters_buckets_and_the_state_torch_optim_creates():
+    """One process, against torch.optim's own state: an annotated layer (Adam with amsgrad), an
+    unannotated one (``unannotated_state`` x its bytes), a frozen one (no gradient, no state), a
+    BatchNorm's buffers, and the tables left out; bad arguments name their value."""
+    import torch
+
+    import overlap_optim
+    import sharders
+    from _planner_bodies import FOUR, _model
+
+    annotated, plain, frozen, norm = torch.nn.Linear(4, 3), torch.nn.Linear(3, 2), torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)
+    frozen.requires_grad_(False)
+    model = torch.nn.Sequential(_model(FOUR, 8), annotated, plain, frozen, norm)
+    overlap_optim.apply_optimizer_in_backward(torch.optim.Adam, annotated.parameters(), {"lr": 0.1, "amsgrad": True})
+
+    def nbytes(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    reference = [p.detach().clone().requires_grad_() for p in annotated.parameters()]
+    for p in reference:
+        p.grad = torch.ones_like(p)
+    adam = torch.optim.Adam(reference, lr=0.1, amsgrad=True)
+    adam.step()
+    adam_state = nbytes(v for p in reference for v in adam.state[p].values())
+    assert adam_state > 3 * nbytes(reference)  # three buffers and a step each
+    unannotated = [*plain.parameters(), *norm.parameters()]  # trainable: a gradient each, the user's state
+    params = [*annotated.parameters(), *unannotated, *frozen.parameters()]
+    expected = nbytes(params) + nbytes(norm.buffers()) + nbytes(annotated.parameters()) + nbytes(unannotated)
+    ebc = [sharders.EmbeddingBagCollectionSharder()]
+    assert sharders.dense_bytes(model, ebc, unannotated_state=0) == expected + adam_state
+    assert sharders.dense_bytes(model, ebc) == expected + adam_state + 2 * nbytes(unannotated)
+    assert sharders.dense_bytes(model, []) > sharders.dense_bytes(model, ebc) + nbytes(model[0].parameters())
+    with pytest.raises(ValueError, match=r"percentage must be in \[0, 1\], got 1.5"):
+        sharders.DenseStorageReservation(1.5)
+    with pytest.raises(ValueError, match="unannotated_state must be at least 0, got -1"):
+        sharders.DenseStorageReservation(unannotated_state=-1)
