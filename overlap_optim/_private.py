@@ -42,6 +42,7 @@ __all__ = [
     "sharded_tensor_from_local_shards",
     "sharded_tensor_process_group",
     "foreach",
+    "fused",
     "Shard",
     "ShardedTensor",
     "ShardedTensorMetadata",
@@ -235,20 +236,41 @@ class _Foreach:
     __slots__ = ()
 
 
-def _late_bound(op: str) -> property:
-    name = f"_foreach_{op}"
+def _late_bound(name: str) -> property:
     return property(lambda self: getattr(torch, name), doc=f"``torch.{name}``")
 
 
 for _op in _FOREACH_OPS:
-    setattr(_Foreach, _op, _late_bound(_op))
-del _op
+    setattr(_Foreach, _op, _late_bound(f"_foreach_{_op}"))
 
 foreach: Any = _Foreach()
 
 
 def _foreach_entry(op: str) -> Callable[[], object]:
     return lambda: getattr(torch, f"_foreach_{op}")
+
+
+# -- fused optimizer kernels --
+
+_FUSED_OPS = ("adam_", "adamw_", "sgd_", "adagrad_")
+
+
+class _Fused:
+    """``fused.adam_`` is ``torch._fused_adam_``, and so on for every op of ``_FUSED_OPS``.
+
+    Private API: ``torch._fused_*``, torch's fused optimizer kernels (what ``torch.optim``'s
+    ``fused=True`` implementations call; no public equivalent that takes a state it does not
+    own). Looked up on ``torch`` at each use, as :data:`foreach` is.
+    """
+
+    __slots__ = ()
+
+
+for _op in _FUSED_OPS:
+    setattr(_Fused, _op, _late_bound(f"_fused_{_op}"))
+del _op
+
+fused: Any = _Fused()
 
 
 # name -> a function that returns the private object (raises if it is gone).
@@ -276,4 +298,5 @@ PRIVATE_APIS: dict[str, Callable[[], object]] = {
         lambda: _probe_sharded_tensor()._process_group
     ),
     **{f"torch._foreach_{op}": _foreach_entry(op) for op in _FOREACH_OPS},
+    **{f"torch._fused_{op}": (lambda name=f"_fused_{op}": getattr(torch, name)) for op in _FUSED_OPS},
 }

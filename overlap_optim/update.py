@@ -76,30 +76,32 @@ def step_params(params: list[torch.Tensor]) -> None:
     update per virtual group; one ``torch.optim`` step per annotation group for a group
     that asks torch for ``foreach`` or ``fused`` (as ``torch.optim`` steps a param group);
     the param's own ``torch.optim`` step for the rest."""
-    sets: dict[VirtualKey, list[torch.Tensor]] = {}
-    together: dict[int, list[torch.Tensor]] = {}
-    steps_together: dict[int, bool] = {}  # per group, after its fixed settings are checked
+    by_group: dict[int, list[torch.Tensor]] = {}
     for param in params:
-        group = param._overlap_group
-        if id(group) not in steps_together:  # before virtual_key reads the fixed settings
-            check_live(param)
-            steps_together[id(group)] = _steps_together(group)
-        if steps_together[id(group)]:
-            together.setdefault(id(group), []).append(param)
+        by_group.setdefault(id(param._overlap_group), []).append(param)
+    sets: dict[VirtualKey, list[torch.Tensor]] = {}
+    for members in by_group.values():
+        group = members[0]._overlap_group
+        check_live(members[0])  # before virtual_key reads the fixed settings
+        if _steps_together(group):
+            _step_together(members)
             continue
-        key = virtual_key(group.spec, group.param_group, param)
-        if key is None:
-            step_param(param)
-        else:
-            sets.setdefault(key, []).append(param)
+        keys: dict[tuple, VirtualKey | None] = {}  # the key depends on the group and these only
+        for param in members:
+            kind = (param.dtype, param.device, param.is_sparse)
+            if kind not in keys:
+                keys[kind] = virtual_key(group.spec, group.param_group, param)
+            key = keys[kind]
+            if key is None:
+                step_param(param)
+            else:
+                sets.setdefault(key, []).append(param)
     for members in sets.values():
         states = [_real_state(p, live_optimizer(p)) for p in members]
         hypers = [p._overlap_group.param_group for p in members]
         multi_tensor_step(members[0]._overlap_group.spec, members, [p.grad for p in members], states, hypers)
         for p in members:
             p.grad = None
-    for members in together.values():
-        _step_together(members)
 
 
 def _steps_together(group: AnnotationGroup) -> bool:

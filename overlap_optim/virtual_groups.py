@@ -8,7 +8,9 @@ optimizer class and fixed settings agree (the optimizer model's
 *virtual group*: one multi-tensor update, every float hyperparameter (lr,
 betas, eps, weight_decay, momentum, ...) a per-tensor list of scalars read from
 each tensor's own param group at the moment of the step. 48 learning rates
-cost what one does.
+cost what one does. On CPU, for float32 tensors of Adam, AdamW, SGD and Adagrad,
+torch's fused kernel runs instead (:mod:`overlap_optim.fused`): one pass per
+tensor, one call per distinct float setting, faster than the foreach ops there.
 
 The math is ``torch.optim``'s (its single-tensor reference, op for op where the
 foreach ops allow), for SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam and
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 
 from overlap_optim._private import foreach
+from overlap_optim.fused import fused_step
 from overlap_optim.spec import OptimizerSpec
 
 __all__ = ["virtual_key", "multi_tensor_step", "MULTI_TENSOR"]
@@ -56,12 +59,15 @@ def multi_tensor_step(
     hypers: list[dict[str, Any]],
 ) -> None:
     """One update of ``params`` (in place) with ``grads``; ``states[i]`` is ``params[i]``'s
-    ``torch.optim`` state (created here if empty) and ``hypers[i]`` its param group."""
+    ``torch.optim`` state (created here if empty) and ``hypers[i]`` its param group. torch's
+    fused kernels where they apply (:mod:`overlap_optim.fused`), the foreach ops otherwise."""
     assert len(params) == len(grads) == len(states) == len(hypers)
     if not params:
         return
     fixed = spec.fixed
     with torch.no_grad():
+        if fused_step(spec.optimizer_class, fixed, params, grads, states, hypers, _step_counters):
+            return
         if fixed.get("maximize"):
             grads = foreach.neg(grads)
         MULTI_TENSOR[spec.optimizer_class](params, grads, states, hypers, fixed)
@@ -86,12 +92,17 @@ def _state(states: list[dict], params: list[torch.Tensor], name: str, fill: list
 
 def _steps(states: list[dict]) -> list[float]:
     """Advance every ``step`` counter (made as torch makes it) and return the new values."""
+    return [float(c) for c in _step_counters(states)]
+
+
+def _step_counters(states: list[dict]) -> list[torch.Tensor]:
+    """Advance every ``step`` counter (made as torch makes it) and return the counters."""
     for state in states:
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
     counters = [s["step"] for s in states]
     foreach.add_(counters, 1)
-    return [float(c) for c in counters]
+    return counters
 
 
 def _scalar_dtype() -> torch.dtype:

@@ -84,9 +84,9 @@ def fallback_tables(rank, world_size, sharding_type, steps=4):
 
 
 def optimizer_ops_per_bucket(rank, world_size):
-    """{settings: Counter of optimizer ops in one backward} for 24 layers in one bucket, Adam at 1
-    and at 24 distinct learning rates, counted by the torch profiler on every thread (the comm
-    hook's update runs on the thread that completes the all-reduce)."""
+    """{settings: Counter of optimizer ops (foreach and fused) in one backward} for 24 layers in one
+    bucket, Adam at 1 and at 24 distinct learning rates, counted by the torch profiler on every thread
+    (the comm hook's update runs on the thread that completes the all-reduce)."""
     counts = {}
     for settings in (1, 24):
         torch.manual_seed(0)

@@ -44,7 +44,8 @@ ENTRIES = [(module, api) for module in MODULES for api in _registry(module)]
 
 # Only overlap_optim/_private.py may spell these.
 CONFINED = ("._execution_engine", "_lazy_init_ran", "_set_optimizer_in_backward",
-            "_init_from_local_shards_and_global_metadata", "torch._foreach_")
+            "_init_from_local_shards_and_global_metadata", "torch._foreach_",
+            "torch._fused_")
 
 
 

@@ -56,18 +56,23 @@ def test_equals_torch_optim_with_three_learning_rates(cls, kwargs):
             torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7, msg=f"step {step}")
 
 
-def test_adam_costs_one_update_whatever_the_number_of_learning_rates():
+@pytest.mark.parametrize("cls, kernel, expected", [
+    (torch.optim.Adam, "torch._fused_adam_", [1, 3, 24]),  # torch's fused CPU kernel: one call per setting
+    (torch.optim.RMSprop, "torch._foreach_addcdiv_", [1, 1, 1]),  # no fused kernel: one multi-tensor update
+    (torch.optim.NAdam, "torch._foreach_sqrt_", [1, 1, 1]),
+])
+def test_the_cost_of_many_learning_rates(cls, kernel, expected):
     calls = []
     for lrs in ((1e-3,), (1e-3, 3e-4, 1e-4), tuple(1e-3 / (i + 1) for i in range(24))):
         params = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(48)]
         for i, lr in enumerate(lrs):
-            apply_optimizer_in_backward(torch.optim.Adam, params[i :: len(lrs)], {"lr": lr})
+            apply_optimizer_in_backward(cls, params[i :: len(lrs)], {"lr": lr})
         for p in params:
             p.grad = torch.ones_like(p)
-        with mock.patch("torch._foreach_addcdiv_", wraps=torch._foreach_addcdiv_) as update:
+        with mock.patch(kernel, wraps=getattr(torch, kernel.removeprefix("torch."))) as update:
             step_params(params)
         calls.append(update.call_count)
-    assert calls == [1, 1, 1]
+    assert calls == expected
 
 
 def test_other_optimizers_and_user_flags_take_their_own_step():
