@@ -221,8 +221,11 @@ class RowUpdates:
         sums = []
         for table, rows in enumerate(self.row_optimizers):  # every table steps, touched or not
             parts = [*(window[table] for window in self.window), *per_table.get(table, [])]
-            ids = torch.cat([p[0] for p in parts]) if parts else indices.new_zeros(0)
-            grads = torch.cat([p[1] for p in parts]) if parts else grad_out.new_zeros(0, rows.weight.shape[1])
+            if len(parts) == 1:  # most often: one feature per table, no window; no copy
+                ids, grads = parts[0]
+            else:
+                ids = torch.cat([p[0] for p in parts]) if parts else indices.new_zeros(0)
+                grads = torch.cat([p[1] for p in parts]) if parts else grad_out.new_zeros(0, rows.weight.shape[1])
             unique, inverse = torch.unique(ids, return_inverse=True)
             summed = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype, device=grads.device)
             summed.index_add_(0, inverse, grads)
