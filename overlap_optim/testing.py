@@ -212,6 +212,7 @@ class _Group:
 
     _open: dict[int, _Group] = {}  # world size -> the group kept for the next run_cases
     _batches = itertools.count()
+    _exit_registered = False
 
     def __init__(self, world_size: int, timeout: float) -> None:
         ctx = mp.get_context("spawn")
@@ -234,8 +235,9 @@ class _Group:
         return cls(world_size, timeout)
 
     def keep(self) -> None:
-        if not self._open:
-            atexit.register(_Group.close_all)
+        if not _Group._exit_registered:
+            _Group._exit_registered = True
+            atexit.register(_Group.close_all)  # before interpreter exit joins the (waiting) ranks
         _Group._open[self.world_size] = self
 
     def run(self, cases: dict, names: list[str], args: tuple, timeout: float, straggler_timeout: float) -> _CaseLog:
