@@ -30,10 +30,11 @@ __all__ = ["fused_step", "FUSED"]
 
 def fused_step(optimizer_class: type, fixed: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
                states: list[dict[str, Any]], hypers: list[dict[str, Any]],
-               steps: Callable[[list[dict]], list[torch.Tensor]]) -> bool:
+               steps: Callable[[list[dict]], list[torch.Tensor]], make_state: Callable[..., list]) -> bool:
     """Update ``params`` with torch's fused kernel, one call per distinct float setting; False
     (nothing done) where no fused kernel applies. ``steps(states)`` advances and returns the
-    ``step`` counters of ``states`` (made as the multi-tensor update makes them)."""
+    ``step`` counters of ``states``, ``make_state(states, params, name, fill=None)`` a state
+    entry of each tensor, made if missing: both as the multi-tensor update makes them."""
     update = FUSED.get(optimizer_class)
     if update is None or not _fusable(params, states):
         return False
@@ -49,7 +50,7 @@ def fused_step(optimizer_class: type, fixed: dict[str, Any], params: list[torch.
     counters = steps(states) if update.counts_steps else [None] * len(states)  # one foreach add for all
     for index in by_setting.values():
         update([params[i] for i in index], [grads[i] for i in index], [states[i] for i in index],
-               [counters[i] for i in index], hypers[index[0]], fixed)
+               [counters[i] for i in index], hypers[index[0]], fixed, make_state)
     return True
 
 
@@ -64,13 +65,6 @@ def _fusable(params: list[torch.Tensor], states: list[dict[str, Any]]) -> bool:
     return True
 
 
-def _zeros(states, params, name, fill=0.0):
-    for state, p in zip(states, params):
-        if name not in state:
-            state[name] = torch.full_like(p, fill, memory_format=torch.preserve_format)
-    return [s[name] for s in states]
-
-
 class _Adam:
     counts_steps, starts_state = True, None
 
@@ -78,14 +72,14 @@ class _Adam:
     def key(h):
         return (float(h["lr"]), float(h["betas"][0]), float(h["betas"][1]), float(h["eps"]), float(h["weight_decay"]))
 
-    def __call__(self, params, grads, states, counters, h, fixed):
-        exp_avgs, exp_avg_sqs = _zeros(states, params, "exp_avg"), _zeros(states, params, "exp_avg_sq")
+    def __call__(self, params, grads, states, counters, h, fixed, make_state):
+        exp_avgs, exp_avg_sqs = make_state(states, params, "exp_avg"), make_state(states, params, "exp_avg_sq")
         amsgrad = bool(fixed.get("amsgrad"))
-        max_sqs = _zeros(states, params, "max_exp_avg_sq") if amsgrad else []
+        max_sqs = make_state(states, params, "max_exp_avg_sq") if amsgrad else []
         kernel = fused.adamw_ if fixed.get("decoupled_weight_decay") else fused.adam_
-        kernel(params, grads, exp_avgs, exp_avg_sqs, max_sqs, counters, lr=float(h["lr"]),
-                    beta1=float(h["betas"][0]), beta2=float(h["betas"][1]), weight_decay=float(h["weight_decay"]),
-                    eps=float(h["eps"]), amsgrad=amsgrad, maximize=bool(fixed.get("maximize")))
+        kernel(params, grads, exp_avgs, exp_avg_sqs, max_sqs, counters, lr=float(h["lr"]), beta1=float(h["betas"][0]),
+               beta2=float(h["betas"][1]), weight_decay=float(h["weight_decay"]), eps=float(h["eps"]), amsgrad=amsgrad,
+               maximize=bool(fixed.get("maximize")))
 
 
 class _Adagrad:
@@ -100,8 +94,8 @@ class _Adagrad:
     def starts_state(state):
         return "sum" not in state
 
-    def __call__(self, params, grads, states, counters, h, fixed):
-        sums = _zeros(states, params, "sum", float(h["initial_accumulator_value"]))
+    def __call__(self, params, grads, states, counters, h, fixed, make_state):
+        sums = make_state(states, params, "sum", [float(h["initial_accumulator_value"])] * len(params))
         fused.adagrad_(params, grads, sums, counters, lr=float(h["lr"]), lr_decay=float(h["lr_decay"]),
                        weight_decay=float(h["weight_decay"]), eps=float(h["eps"]), maximize=bool(fixed.get("maximize")))
 
@@ -117,7 +111,7 @@ class _SGD:
     def starts_state(state):  # the first step with momentum starts the buffer from the gradient
         return state.get("momentum_buffer") is None
 
-    def __call__(self, params, grads, states, counters, h, fixed):
+    def __call__(self, params, grads, states, counters, h, fixed, make_state):
         momentum = float(h["momentum"])
         first = momentum != 0 and states[0].get("momentum_buffer") is None
         if momentum == 0:

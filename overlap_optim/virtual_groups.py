@@ -66,7 +66,7 @@ def multi_tensor_step(
         return
     fixed = spec.fixed
     with torch.no_grad():
-        if fused_step(spec.optimizer_class, fixed, params, grads, states, hypers, _step_counters):
+        if fused_step(spec.optimizer_class, fixed, params, grads, states, hypers, _step_counters, _state):
             return
         if fixed.get("maximize"):
             grads = foreach.neg(grads)
