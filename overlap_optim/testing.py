@@ -383,7 +383,11 @@ def run_cases(cases: Mapping[str, Callable], names: Iterable[str] | None = None,
         raise ValueError(f"unknown case(s) {unknown}; the cases are {list(cases)}")
     names = [n for n in cases if n in set(names)]
     group = _Group.take(world_size, timeout)
-    log = group.run(dict(cases), names, args, timeout, straggler_timeout)
+    try:
+        log = group.run(dict(cases), names, args, timeout, straggler_timeout)
+    except BaseException:  # interrupted (Ctrl-C, pytest's timeout): no rank may outlive the parent waiting
+        group.close()
+        raise
     if log.stopped_early():  # a rank stopped, died or outlived the timeout: the group is not reused
         group.close()
     else:
