@@ -52,14 +52,16 @@ QUICK_COMMAND = ".venv/bin/python -m benchmarks.run --quick --out /tmp/bench"
 # What each benchmark's numbers mean, and why a missed target is missed (shown in the report).
 NOTES = {
     "layerwise": (
-        "Adafactor on a split table costs more per element than torch's Adafactor on the whole table: each "
-        "rank makes whole-shard passes for the dense semantics (a zero-filled gradient), the float64 partial "
-        "sums of the round and the check of Adafactor's variance floor, about 3x torch's passes per element; "
-        "and gloo on one machine gives the 2 ranks the same 2 cores the one-process peer uses alone. What the "
-        "split buys is memory: a table bigger than one machine's memory, and Adafactor's factored state, "
-        "128x smaller than Adam's. Communication is one extra all-reduce per step whatever the number of "
-        "layer-wise tables. On a 1M x 64 table torch's own float32 `norm()` is off by 0.6% (the weights then "
-        "differ by 1e-4), where ours sums in float64 and stays within 4e-8 of a float64 Adafactor."
+        "Each rank's Adafactor step costs its touched rows plus two passes over its shard (the weight's norm "
+        "and the weight decay): an untouched row's gradient is zero, so it adds nothing to the round's sums and its "
+        "update is zero (`sharders/cross_shard.py`). torch's Adafactor on the whole table makes about ten passes "
+        "over a dense gradient the size of the table. Before this (2026-11-23 report: 0.59x against 2 threads) "
+        "each rank built that zero-filled gradient and made about 3x torch's passes over it. The 2 ranks share "
+        "the machine's 2 cores, as the one-process peer's 2 threads do. The split also buys memory: a table "
+        "bigger than one machine's memory, and Adafactor's factored state, 128x smaller than Adam's. "
+        "Communication is one extra all-reduce per step whatever the number of layer-wise tables. On a 1M x 64 "
+        "table torch's own float32 `norm()` is off by 0.6% (the weights then differ by 1e-4), where ours sums "
+        "in float64 and stays within 4e-8 of a float64 Adafactor."
     ),
     "local_sgd": (
         "The dense part's all-reduce bytes fall by the period (one flattened all-reduce of the parameters "

@@ -478,11 +478,20 @@ class DenseTableOptimizer(TableOptimizer):
 
     def prepare(self, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """``(the table, its whole gradient, its torch.optim state)``, updated in place by the caller."""
+        state = self.ready()
+        return self.weight, self.whole_gradient(ids, grads), state
+
+    def ready(self) -> dict[str, Any]:
+        """Check the live settings, drop a placeholder state; the torch.optim state to update in place."""
         self.group.spec.check_live(self.param_group, f"table {self.name!r}")
         self.drop_placeholder_state()
+        return self._optimizer.state[self.weight]
+
+    def whole_gradient(self, ids: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
+        """The shard's gradient: ``grads`` at rows ``ids``, zero elsewhere."""
         grad = torch.zeros_like(self.weight)
         grad.index_copy_(0, ids, grads.to(grad.dtype))
-        return self.weight, grad, self._optimizer.state[self.weight]
+        return grad
 
     @property
     def state(self) -> dict[str, Any]:

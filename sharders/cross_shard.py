@@ -103,11 +103,12 @@ class CrossShardOptimizer(DenseTableOptimizer):
     @torch.no_grad()
     def step(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """First half now; the round finishes it when backward ends."""
-        _, grad, state = self.prepare(ids, grads)
+        state = self.ready()
+        grads = grads.to(self.weight.dtype)
         if self.group.spec.kwargs.get("maximize"):
-            grad = -grad
+            grads = -grads
         hypers = self.group.param_group
-        self.round.contribute(self.name, self.partials(grad, state, hypers), self.complete)
+        self.round.contribute(self.name, self.partials(ids, grads, state, hypers), self.complete)
 
     def _make_placeholder(self) -> None:
         """Zeros, no step taken."""
@@ -119,7 +120,10 @@ class CrossShardOptimizer(DenseTableOptimizer):
     def _fresh_state(self, state: dict[str, Any]) -> None:
         raise NotImplementedError
 
-    def partials(self, grad: torch.Tensor, state: dict[str, Any], hypers: dict[str, Any]) -> torch.Tensor:
+    def partials(self, ids: torch.Tensor, grads: torch.Tensor, state: dict[str, Any], hypers: dict[str, Any]) -> torch.Tensor:
+        """Step the local state on the shard's gradient (``grads`` at the local rows ``ids``,
+        unique; zero elsewhere) and return this shard's part of the table's statistics.
+        :meth:`whole_gradient` makes the shard-sized gradient for math that needs it."""
         raise NotImplementedError
 
     def complete(self, stats: torch.Tensor) -> None:
@@ -147,7 +151,8 @@ class LambTable(CrossShardOptimizer):
             state[name] = self.weight.new_zeros(())
         state["step"] = 0
 
-    def partials(self, grad, state, h):
+    def partials(self, ids, grads, state, h):
+        grad = self.whole_gradient(ids, grads)
         if "exp_avg" not in state:
             self._fresh_state(state)
         state["step"] += 1
@@ -192,6 +197,10 @@ class AdafactorTable(CrossShardOptimizer):
     ``A_j = sum_i g_ij^2 / row_var_i`` (row shards; the transpose on column shards). That
     identity needs Adafactor's variance floor ``eps1**2`` not to bind on an element with a
     nonzero gradient; when it does, the next step raises on every rank, naming the table.
+
+    Apart from the weight's norm and its weight decay, the step costs the touched rows, not
+    the shard: an untouched row's gradient is zero, so it adds nothing to the sums and its
+    update is zero (on column shards every row is local, and the same holds per row).
     """
 
     @classmethod
@@ -201,6 +210,7 @@ class AdafactorTable(CrossShardOptimizer):
 
     def _check_settings(self):
         self._floor_bound = False
+        self._touched: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, grads) between the halves
 
     def _fresh_state(self, state):
         (rows, cols), local = self.geometry.table_shape, self.weight.shape
@@ -208,29 +218,34 @@ class AdafactorTable(CrossShardOptimizer):
         state["row_var"] = self.weight.new_zeros(local[0] if self.geometry.axis == 0 else rows, 1)
         state["col_var"] = self.weight.new_zeros(1, local[1] if self.geometry.axis == 1 else cols)
 
-    def partials(self, grad, state, h):
+    def partials(self, ids, grads, state, h):
+        # Untouched rows have a zero gradient: they add nothing to the sums, their factor
+        # entries decay, and their update is zero. Only the weight's norm and the weight
+        # decay pass over the whole shard; the rest follows the touched rows.
         if "row_var" not in state:
             self._fresh_state(state)
         state["step"] += 1
         beta = float(state["step"]) ** h["beta2_decay"]
         rows, cols = self.geometry.table_shape
-        square = grad * grad
+        square = grads * grads
         weight_sq = torch.linalg.vector_norm(self.weight, dtype=torch.float64).square()  # before weight decay
         if h["weight_decay"] != 0:
             self.weight.mul_(1 - h["lr"] * h["weight_decay"])
-        self._grad = grad
+        self._touched = ids, grads
         flag = torch.tensor(float(self._floor_bound), dtype=torch.float64)
         if self.geometry.axis == 0:  # whole rows here: the row factor is local
-            state["row_var"].lerp_(square.sum(1, keepdim=True) / cols, beta)
             row_var = state["row_var"]
-            a = torch.where(row_var > 0, square / row_var, 0).sum(0)
+            row_var.lerp_(torch.zeros_like(row_var).index_copy_(0, ids, square.sum(1, keepdim=True) / cols), beta)
+            touched = row_var.index_select(0, ids)
+            a = torch.where(touched > 0, square / touched, 0).sum(0)
             return torch.cat([weight_sq[None], row_var.double().sum()[None], flag[None],
                               square.sum(0).double(), a.double()])
         state["col_var"].lerp_(square.sum(0, keepdim=True) / rows, beta)
         col_var = state["col_var"]
-        b = torch.where(col_var > 0, square / col_var, 0).sum(1)
-        return torch.cat([weight_sq[None], torch.zeros(1, dtype=torch.float64), flag[None],
-                          square.sum(1).double(), b.double()])
+        per_row = weight_sq.new_zeros(2, rows)  # sum_j g_ij^2 and sum_j g_ij^2 / col_var_j, zero where untouched
+        per_row[0].index_copy_(0, ids, square.sum(1).double())
+        per_row[1].index_copy_(0, ids, torch.where(col_var > 0, square / col_var, 0).sum(1).double())
+        return torch.cat([weight_sq[None], torch.zeros(1, dtype=torch.float64), flag[None], per_row.flatten()])
 
     def complete(self, stats):
         h, state = self.group.param_group, self._optimizer.state[self.weight]
@@ -254,15 +269,16 @@ class AdafactorTable(CrossShardOptimizer):
             mean_row = float(state["row_var"].double().mean())
             other = state["row_var"][:, 0].double()
         floor = max(mean_row, eps1)
-        estimate = (state["row_var"] @ state["col_var"]).div_(floor)
-        self._floor_bound = bool(((estimate < eps1 * eps1) & (self._grad != 0)).any())
-        update = estimate.clamp_(min=eps1 * eps1).rsqrt_().mul_(self._grad)
+        ids, grads = self._touched
+        estimate = (state["row_var"].index_select(0, ids) @ state["col_var"]).div_(floor)
+        self._floor_bound = bool(((estimate < eps1 * eps1) & (grads != 0)).any())
+        update = estimate.clamp_(min=eps1 * eps1).rsqrt_().mul_(grads)
         update_sq = floor * float(torch.where(other > 0, over / other, 0).sum())
         denom = max(1.0, update_sq**0.5 / ((rows * cols) ** 0.5 * h["d"]))
         step = float(state["step"])
         alpha = max(h["eps"][1], float(stats[0]) ** 0.5 / (rows * cols) ** 0.5) * min(h["lr"], 1 / step**0.5)
-        self.weight.add_(update, alpha=-alpha / denom)
-        self._grad = None
+        self.weight.index_add_(0, ids, update, alpha=-alpha / denom)
+        self._touched = None
 
 
 class CameTable(CrossShardOptimizer):
@@ -294,7 +310,8 @@ class CameTable(CrossShardOptimizer):
         state["exp_avg_res_col"] = self.weight.new_zeros(own_cols)
         state["RMS"] = self.weight.new_zeros(())
 
-    def partials(self, grad, state, h):
+    def partials(self, ids, grads, state, h):
+        grad = self.whole_gradient(ids, grads)
         if "exp_avg" not in state:
             self._fresh_state(state)
         state["step"] += 1
@@ -363,7 +380,8 @@ class LarsTable(CrossShardOptimizer):
             state["momentum_buffer"] = torch.zeros_like(self.weight)
         state["step"] = 0
 
-    def partials(self, grad, state, h):
+    def partials(self, ids, grads, state, h):
+        grad = self.whole_gradient(ids, grads)
         if not state:
             self._fresh_state(state)
         state["step"] += 1

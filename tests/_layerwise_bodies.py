@@ -203,3 +203,19 @@ def untouched_shard(rank, world_size, steps=4):
     rounds = sharders.plan_of(dmp.module.ebc).round.rounds
     untouched = {n: (reference.ebc.embedding_bags[n].weight.detach() - start[n])[6:].abs().max().item() for n in names}
     return {"rounds": rounds, "untouched_rows_moved": untouched}
+
+
+def floor_bound(rank, world_size, steps=3):
+    """Adafactor row_wise with eps1 = 0.3: at the first step its variance floor eps1**2 binds on
+    touched elements (g^2 * g^2 / 0.3 < 0.09 for |g| < 0.4), where the cross-shard RMS of the
+    update is not exact. The next step must raise on every rank; returns (step, message)."""
+    names = ["adafactor"]
+    dmp, _, _ = _sharded(names, [(torch.optim.Adafactor, {"lr": 0.05, "eps": (0.3, 1e-3)})], "row_wise", world_size)
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(970 + step)
+        parts = [covering_batch(names, generator) for _ in range(world_size)]
+        try:
+            loss_of(dmp, parts[rank]).backward()
+        except ValueError as error:
+            return {"step": step, "error": str(error)}
+    return {"step": None, "error": ""}

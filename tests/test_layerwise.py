@@ -14,12 +14,13 @@ from functools import partial
 import pytest
 
 from overlap_optim.testing import run_cases, selected_cases
-from _layerwise_bodies import LAYERWISE, SPLITTING, mixed_model, round_counts, split_table, untouched_shard
+from _layerwise_bodies import LAYERWISE, SPLITTING, floor_bound, mixed_model, round_counts, split_table, untouched_shard
 from _sharded_parity import assert_table_exact
 
 SPLIT = {f"split/{st}/{rows}": partial(split_table, sharding_type=st, cover=rows == "every_row")
          for st in SPLITTING for rows in ("every_row", "some_rows")}
-RANK_CASES = {**SPLIT, "rounds": round_counts, "mixed": mixed_model, "untouched": untouched_shard}
+RANK_CASES = {**SPLIT, "rounds": round_counts, "mixed": mixed_model, "untouched": untouched_shard,
+              "floor": floor_bound}
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +65,10 @@ def test_a_shard_no_batch_reaches_still_takes_part_and_steps(ranks, case):
         # semantics), and matched the reference every step
         moved = out["untouched_rows_moved"]
         assert moved["came"] > 1e-3 and moved["lamb"] > 1e-4, out
+
+
+@pytest.mark.parametrize("case", ["floor"])
+def test_adafactor_refuses_the_step_after_its_variance_floor_bound(ranks, case):
+    for out in ranks[case]:  # every rank, at the second step, naming the table and the setting
+        assert out["step"] == 1, out
+        assert "table 'adafactor'" in out["error"] and "eps[0]" in out["error"], out
