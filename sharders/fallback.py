@@ -17,7 +17,7 @@ gradients are clipped first: by value at once, by norm at the end of backward.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -37,6 +37,13 @@ __all__ = [
     "RowUpdates", "FallbackEmbeddingBag", "FallbackEmbedding", "FallbackOptimizer", "FallbackTable", "LazyTable",
     "DenseTable",
 ]
+
+
+# Tables of a fallback kernel step in chunks of about this many bytes of summed row gradients
+# (about 1/3 of the rows, state included, that a chunk's update gathers). Not a tuning knob:
+# it keeps one step's temporaries small, so that glibc does not return them to the system at
+# the end of each step and fault them in again at the next (benchmarks/virtual_groups.py).
+STEP_BYTES = 2 << 20
 
 
 class FallbackTable(TableKernel):
@@ -211,34 +218,66 @@ class RowUpdates:
         """Sum the gradient of every touched row of every table, then step each table once
         (after clipping the sums, in a clipping set). Inside ``no_step`` the sums are kept
         instead, and the window's last micro-batch steps on the sums of all of them: a row is
-        touched if any micro-batch touched it."""
-        per_table: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        touched if any micro-batch touched it.
+
+        Without clipping, tables step as soon as their sums are made, a few at a time
+        (:data:`STEP_BYTES`), so that one step's temporaries stay the size of a few tables'
+        touched rows, whatever the number of tables in the kernel."""
         dims = [r.weight.shape[1] for r in self.row_optimizers]
-        for ids, grads, table in value_grads(
+        features = value_grads(
             self.pooling_mode, self.layout.feature_table_map, dims, grad_out, indices, offsets, weights
-        ):
-            per_table.setdefault(table, []).append((ids, grads))
-        sums = []
-        for table, rows in enumerate(self.row_optimizers):  # every table steps, touched or not
-            parts = [*(window[table] for window in self.window), *per_table.get(table, [])]
-            if len(parts) == 1:  # most often: one feature per table, no window; no copy
-                ids, grads = parts[0]
-            else:
-                ids = torch.cat([p[0] for p in parts]) if parts else indices.new_zeros(0)
-                grads = torch.cat([p[1] for p in parts]) if parts else grad_out.new_zeros(0, rows.weight.shape[1])
-            unique, inverse = torch.unique(ids, return_inverse=True)
-            summed = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype, device=grads.device)
-            summed.index_add_(0, inverse, grads)
-            sums.append((unique, summed))
-        if self.accumulation.active:
-            self.window = [sums]  # the window so far, summed: it holds each touched row once
-            return
-        self.window = []
-        updates = [(rows, unique, summed) for rows, (unique, summed) in zip(self.row_optimizers, sums)]
-        if self.clipping is None:
-            step_tables(updates)  # one multi-tensor update per virtual group of tables
-        else:  # each shard's rows are its own: no rank holds them alike
+        )
+        sums = self._row_sums(features, indices, grad_out)
+        if self.accumulation.active or self.clipping is not None:
+            by_table = dict(sums)
+            sums_in_order = [by_table[t] for t in range(len(self.row_optimizers))]
+            if self.accumulation.active:
+                self.window = [sums_in_order]  # the window so far, summed: it holds each touched row once
+                return
+            self.window = []
+            updates = [(rows, *pair) for rows, pair in zip(self.row_optimizers, sums_in_order)]
+            # each shard's rows are its own: no rank holds them alike
             self.clipping.clip([u[2] for u in updates], lambda: step_tables(updates))
+            return
+        chunk, size = [], 0
+        for table, (unique, summed) in sums:
+            chunk.append((self.row_optimizers[table], unique, summed))
+            size += summed.numel() * summed.element_size()
+            if size >= STEP_BYTES:
+                step_tables(chunk)  # one multi-tensor update per virtual group of the chunk's tables
+                chunk, size = [], 0
+        if chunk:
+            step_tables(chunk)
+        self.window = []
+
+    def _row_sums(
+        self, features: Iterator[tuple[torch.Tensor, torch.Tensor, int]], indices: torch.Tensor, grad_out: torch.Tensor
+    ) -> Iterator[tuple[int, tuple[torch.Tensor, torch.Tensor]]]:
+        """``(table, (unique row ids, their summed gradients))`` for every table of the kernel, once
+        each, as soon as its last feature is read; the open window's sums are included."""
+        last = {table: f for f, table in enumerate(self.layout.feature_table_map)}
+        parts = {t: [window[t] for window in self.window] for t in range(len(self.row_optimizers))}
+        for f, (ids, grads, table) in enumerate(features):
+            parts[table].append((ids, grads))
+            if last[table] == f:
+                yield table, _summed(parts.pop(table), indices, grad_out, self.row_optimizers[table].weight.shape[1])
+        for table in sorted(parts):  # tables no feature of this batch reached (an empty batch)
+            yield table, _summed(parts.pop(table), indices, grad_out, self.row_optimizers[table].weight.shape[1])
+
+
+def _summed(
+    parts: list[tuple[torch.Tensor, torch.Tensor]], indices: torch.Tensor, grad_out: torch.Tensor, dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unique ids, the sum of each id's gradients) over ``parts`` of (ids, gradients)."""
+    if len(parts) == 1:  # most often: one feature per table, no window; no copy
+        ids, grads = parts[0]
+    else:
+        ids = torch.cat([p[0] for p in parts]) if parts else indices.new_zeros(0)
+        grads = torch.cat([p[1] for p in parts]) if parts else grad_out.new_zeros(0, dim)
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    summed = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype, device=grads.device)
+    summed.index_add_(0, inverse, grads)
+    return unique, summed
 
 
 class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):

@@ -55,10 +55,30 @@ def dense_per_layer(rank, world_size, steps=4):
     return min((q.detach() - s).abs().max().item() for q, s in zip(reference.parameters(), start))
 
 
-def fallback_tables(rank, world_size, sharding_type, steps=4):
+def fallback_tables(rank, world_size, sharding_type, steps=4, step_bytes=None):
     """6 Adam tables, 6 lrs and one LambdaLR lambda each, on batches that touch every row (the
     reference is dense torch.optim; the lazy rule is tested in test_lazy_reference.py):
-    (how far each reference table moved, this rank's describe() rows)."""
+    (how far each reference table moved, this rank's describe() rows, the tables of each
+    ``step_tables`` call). ``step_bytes``: the kernel's chunk size (``sharders.fallback.STEP_BYTES``)."""
+    import sharders.fallback
+
+    kept, original = sharders.fallback.STEP_BYTES, sharders.fallback.step_tables
+    chunks = []
+
+    def recording(updates):
+        chunks.append(len(updates))
+        return original(updates)
+
+    sharders.fallback.step_tables = recording
+    if step_bytes is not None:
+        sharders.fallback.STEP_BYTES = step_bytes
+    try:
+        return {**_fallback_tables(rank, world_size, sharding_type, steps), "chunks": chunks}
+    finally:
+        sharders.fallback.STEP_BYTES, sharders.fallback.step_tables = kept, original
+
+
+def _fallback_tables(rank, world_size, sharding_type, steps):
     names = [f"t{i}" for i in range(6)]
     settings = [(torch.optim.Adam, {"lr": 0.02 * (i + 1), "weight_decay": 0.01 * i}) for i in range(6)]
     dmp, reference, ref_opts = build(names, settings, sharding_type, world_size)

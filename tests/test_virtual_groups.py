@@ -97,6 +97,7 @@ def ranks(request):
     cases = {  # one spawned group
         "dense": dense_per_layer,
         **{f"fallback/{st}": partial(fallback_tables, sharding_type=st) for st in ("table_wise", "row_wise")},
+        "fallback/row_wise/table_by_table": partial(fallback_tables, sharding_type="row_wise", step_bytes=1),
         "ops": optimizer_ops_per_bucket,
     }
     return run_cases(cases, selected_cases(request, cases), timeout=600)
@@ -107,9 +108,14 @@ def test_per_layer_lrs_with_a_lambda_each_match_torch_adam_with_48_param_groups(
     assert all(moved > 1e-3 for moved in ranks[case]), ranks[case]  # compared every step in the ranks
 
 
-@pytest.mark.parametrize("case", ["fallback/table_wise", "fallback/row_wise"])
+@pytest.mark.parametrize("case", ["fallback/table_wise", "fallback/row_wise", "fallback/row_wise/table_by_table"])
 def test_six_fallback_tables_with_six_lrs_share_one_kernel_and_match_torch_optim(ranks, case):
     for run in ranks[case]:
+        # the kernel's tables step together while their rows are few (sharders.fallback.STEP_BYTES),
+        # one at a time when each table's rows pass it; exact either way (compared every step)
+        per_backward = [6] if case == "fallback/row_wise" else [1] * 6 if case.endswith("table_by_table") else None
+        if per_backward is not None:
+            assert run["chunks"] == per_backward * 4, run["chunks"]
         assert min(run["moved"].values()) > 1e-3, run["moved"]
         fallback = [row for row in run["rows"] if row[6].startswith("fallback")]
         assert len(fallback) == 1, run["rows"]  # one kernel per sharding group on this rank
