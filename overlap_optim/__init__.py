@@ -10,6 +10,7 @@ from overlap_optim.accumulation import no_step
 from overlap_optim.clipping import GradientClipping, apply_gradient_clipping
 from overlap_optim.annotation import AnnotationGroup, apply_optimizer_in_backward, materialize
 from overlap_optim.ddp import register_optimizer_hook
+from overlap_optim.fsdp import fully_shard
 from overlap_optim.local_sgd import QSR
 from overlap_optim.spec import OptimizerSpec, describe_optimizer
 from overlap_optim.keyed import InBackwardOptimizer, get_optimizers, unoptimized_parameters
@@ -22,6 +23,7 @@ __all__ = [
     "apply_gradient_clipping",
     "GradientClipping",
     "describe_optimizer",
+    "fully_shard",
     "OptimizerSpec",
     "QSR",
     "get_optimizers",

@@ -43,6 +43,8 @@ __all__ = [
     "sharded_tensor_process_group",
     "foreach",
     "fused",
+    "fsdp_original_uids",
+    "fsdp_original_uid",
     "Shard",
     "ShardedTensor",
     "ShardedTensorMetadata",
@@ -276,6 +278,36 @@ fused: Any = _Fused()
 # name -> a function that returns the private object (raises if it is gone).
 # The probes of instance attributes build a tiny DDP model or ShardedTensor: they
 # need torch.distributed initialized (the test makes a world-size-1 gloo group).
+# -- FSDP2 --
+
+
+def fsdp_original_uids(module: torch.nn.Module) -> list[int]:
+    """FSDP2's ids of the original parameters that ``fully_shard`` took from ``module`` (an
+    ``FSDPModule``). Private: ``fully_shard.state(module)._fsdp_param_groups``, each group's
+    ``fsdp_params`` and their ``_orig_param_uid``."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(module)
+    return [p._orig_param_uid for group in state._fsdp_param_groups for p in group.fsdp_params]
+
+
+def fsdp_original_uid(param: torch.Tensor) -> int | None:
+    """The id FSDP2 gave ``param`` when ``fully_shard`` took it, or None. Private: the
+    ``_fsdp_orig_uid`` attribute that ``_fsdp_param._get_orig_param_uid`` sets."""
+    return param.__dict__.get("_fsdp_orig_uid")
+
+
+def _fsdp_contract() -> object:
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_state
+
+    probe = torch.nn.Parameter(torch.zeros(1))
+    _fsdp_param._get_orig_param_uid(probe)
+    assert "_fsdp_orig_uid" in probe.__dict__, "FSDP2 no longer marks the original parameter"
+    assert "_orig_param_uid" in _fsdp_param.FSDPParam.__annotations__, "FSDPParam._orig_param_uid is gone"
+    assert isinstance(_fsdp_state.FSDPState()._fsdp_param_groups, list), "FSDPState._fsdp_param_groups is gone"
+    return probe
+
+
 PRIVATE_APIS: dict[str, Callable[[], object]] = {
     "torch.autograd.Variable._execution_engine.queue_callback": lambda: Variable._execution_engine.queue_callback,
     "torch._C._current_graph_task_id": lambda: torch._C._current_graph_task_id,
@@ -296,6 +328,9 @@ PRIVATE_APIS: dict[str, Callable[[], object]] = {
     ),
     "torch.distributed._shard.sharded_tensor.ShardedTensor._process_group": (
         lambda: _probe_sharded_tensor()._process_group
+    ),
+    "torch.distributed.fsdp FSDPState._fsdp_param_groups, FSDPParam._orig_param_uid, param._fsdp_orig_uid": (
+        _fsdp_contract
     ),
     **{f"torch._foreach_{op}": _foreach_entry(op) for op in _FOREACH_OPS},
     **{f"torch._fused_{op}": (lambda name=f"_fused_{op}": getattr(torch, name)) for op in _FUSED_OPS},

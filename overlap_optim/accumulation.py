@@ -7,7 +7,8 @@ block steps each parameter once, on the summed gradient. That equals k
 ``backward()`` calls, then one ``torch.optim`` step. Clipping
 (:mod:`overlap_optim.clipping`) applies to the summed gradient.
 
-Under DDP, ``no_step`` enters DDP's ``no_sync`` for every DDP module of the
+Under FSDP2, ``no_step`` turns off each FSDP module's gradient sync (the hooks
+then fire at the synced backward). Under DDP, ``no_step`` enters DDP's ``no_sync`` for every DDP module of the
 model: nothing is all-reduced until the last micro-batch. Where DDP reduces
 anyway (the first backward of a static-graph DDP, as TorchRec builds it, or a
 micro-batch whose forward ran before the block), our hook keeps each rank's
@@ -31,6 +32,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree
 
@@ -104,7 +106,9 @@ def no_step(model: nn.Module) -> Iterator[None]:
     backward outside the block, which steps each annotated parameter once on their sum.
 
     Run each such micro-batch's forward and backward inside the block. Under DDP
-    (the model, or a DDP module inside it) it is DDP's ``no_sync`` too.
+    (the model, or a DDP module inside it) it is DDP's ``no_sync`` too; under FSDP2
+    (:func:`overlap_optim.fully_shard`), ``set_requires_gradient_sync(False)``: the unsharded
+    gradients accumulate, and the last micro-batch reduce-scatters their sum and steps.
 
     Args:
         model: a plain module, a DDP module, or a ``DistributedModelParallel`` whose tables
@@ -140,6 +144,9 @@ def no_step(model: nn.Module) -> Iterator[None]:
         for module in model.modules():
             if isinstance(module, DistributedDataParallel):
                 stack.enter_context(_private.no_sync_unless_first_static(module))
+            elif isinstance(module, FSDPModule):  # each FSDP group: no reduce-scatter, no hook, until the last
+                module.set_requires_gradient_sync(False, recurse=False)
+                stack.callback(module.set_requires_gradient_sync, True, recurse=False)
         tracker.accumulating = True
         marked = list(model.parameters())  # unannotated ones too: a clipping set must not clip them yet
         for param in marked:

@@ -11,6 +11,7 @@ right after it.
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,8 +24,11 @@ from overlap_optim.update import live_optimizer, step_when_ready
 
 __all__ = [
     "apply_optimizer_in_backward", "materialize", "record_annotations", "reattach_annotations", "AnnotationGroup",
-    "needs_closure",
+    "needs_closure", "annotated_parameters",
 ]
+
+# Every parameter annotated now, by id; weak: an entry lives as long as its parameter.
+_ANNOTATED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 # Constructor arguments that are not settings a user may pass as kwargs.
 _CONSTRUCTOR_ONLY = ("params",)
@@ -147,6 +151,13 @@ def reattach_annotations(module: torch.nn.Module, recorded: Recorded) -> list[st
     return done
 
 
+def annotated_parameters() -> list[torch.Tensor]:
+    """Every live parameter of this process that is annotated now (in its group), in any model,
+    including Parameter objects that something replaced on their module."""
+    return [p for p in list(_ANNOTATED.values())
+            if getattr(p, "_overlap_group", None) is not None and any(q is p for q in p._overlap_group.param_group["params"])]
+
+
 def _annotate(param: torch.Tensor, group: AnnotationGroup) -> None:
     old: AnnotationGroup | None = getattr(param, "_overlap_group", None)
     keep_state = (
@@ -161,6 +172,7 @@ def _annotate(param: torch.Tensor, group: AnnotationGroup) -> None:
         param._in_backward_optimizers = []
     param._overlap_group = group
     group.param_group["params"].append(param)
+    _ANNOTATED[id(param)] = param
     live_optimizer(param)
     handle = param.register_post_accumulate_grad_hook(step_when_ready)
     # The same registry torch uses, so that DDP's lazy init finds and removes it.

@@ -1,0 +1,140 @@
+"""FSDP2 for the dense part: in-backward optimizers on fully sharded parameters.
+
+torch's ``fully_shard`` replaces every parameter it manages by a new Parameter, a
+DTensor holding this rank's dim-0 shard, and the annotation and hooks of the old
+object stay behind with it. :func:`fully_shard` wraps torch's and carries each
+annotation over to the sharded parameter. FSDP2 then calls that parameter's
+post-accumulate-grad hooks right after its reduce-scatter: the annotated optimizer
+steps there, on this rank's shard of the averaged gradient, and the gradient is
+released (:func:`overlap_optim.update.step_when_ready`, as for any parameter
+outside DDP).
+
+An optimizer steps a shard exactly as it would step those rows of the whole
+parameter only if it is separable along dim 0 (``OptimizerSpec.row_separable``;
+element-wise along a 1-D parameter). Layer-wise optimizers (Adafactor, LAMB,
+LARS, CAME) and Muon are not: they are refused, naming the parameter, until
+their cross-shard form is built for FSDP shards.
+
+Calling torch's own ``fully_shard`` on annotated parameters would leave them
+untrained with no error; :func:`refuse_lost_annotations` (run by
+``get_optimizers``) refuses that model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from overlap_optim import _private
+from overlap_optim.annotation import annotated_parameters, record_annotations, reattach_annotations
+
+__all__ = ["fully_shard", "refuse_lost_annotations"]
+
+def fully_shard(module: nn.Module, *, mesh: Any = None, **kwargs: Any) -> nn.Module:
+    """torch's ``fully_shard`` on every submodule of ``module`` that directly owns
+    parameters (innermost first), then on ``module`` itself, keeping the annotations.
+
+    Each annotated parameter then steps in backward on its own shard, right after its
+    reduce-scatter, and its gradient is released; the result is that of one process of
+    ``torch.optim`` on the global batch. Parameters in ``ignored_params`` (the tables
+    of a model under ``DistributedModelParallel``) are left alone.
+
+    Args:
+        module: the dense part, annotated with
+            :func:`~overlap_optim.apply_optimizer_in_backward` (all of it or some).
+        mesh: the 1-D device mesh to shard over (torch's default: every rank).
+        **kwargs: torch's ``fully_shard`` keyword arguments, passed on to each call.
+
+    Returns:
+        ``module``, now an ``FSDPModule``.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+        ValueError: a setting in-backward fp32 updates cannot follow
+            (``offload_policy=CPUOffloadPolicy(...)``, an ``mp_policy`` that casts
+            parameters or gradients to another dtype), or an annotated parameter whose
+            optimizer is not separable along the sharded dim, or that is in a gradient
+            clipping set; each named.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__name__}")
+    ignored = set(kwargs.get("ignored_params") or ())
+    recorded = {name: entry for name, entry in record_annotations(module).items() if entry[0] not in ignored}
+    _check_settings(kwargs, recorded)
+    _check_parameters(recorded, custom_placement=kwargs.get("shard_placement_fn") is not None)
+    for sub in _owners(module, ignored):
+        torch_fully_shard(sub, mesh=mesh, **kwargs)
+    torch_fully_shard(module, mesh=mesh, **kwargs)
+    reattach_annotations(module, recorded)
+    return module
+
+
+def refuse_lost_annotations(model: nn.Module) -> None:
+    """Raise if torch's own ``fully_shard`` replaced annotated parameters of ``model``:
+    their optimizers would never run, and nothing would say so."""
+    uids = {uid for m in model.modules() if isinstance(m, FSDPModule) for uid in _private.fsdp_original_uids(m)}
+    if not uids:
+        return
+    lost = [p for p in annotated_parameters() if _private.fsdp_original_uid(p) in uids]
+    if lost:
+        shapes = ", ".join(f"{tuple(p.shape)} ({p._overlap_group.spec.name})" for p in lost[:5])
+        raise RuntimeError(
+            f"{len(lost)} annotated parameter(s) of shape {shapes} were sharded by torch's fully_shard, which "
+            "replaced them with new parameters and left their in-backward optimizers behind: nothing would "
+            "train them. Shard the annotated module with overlap_optim.fully_shard(module, mesh=mesh) instead"
+        )
+
+
+def _owners(module: nn.Module, ignored: set[torch.Tensor]) -> list[nn.Module]:
+    """Submodules below ``module`` that directly own a parameter FSDP would manage, innermost first."""
+    owners = []
+    for sub in reversed(list(module.modules())):
+        if sub is module or isinstance(sub, FSDPModule):
+            continue
+        if any(p not in ignored for p in sub.parameters(recurse=False)):
+            owners.append(sub)
+    return owners
+
+
+def _check_settings(kwargs: dict[str, Any], recorded: dict) -> None:
+    offload = kwargs.get("offload_policy")
+    if isinstance(offload, CPUOffloadPolicy):
+        raise ValueError(
+            f"offload_policy={offload!r}: with CPU offload FSDP2 steps the optimizer on host copies after "
+            "backward; in-backward updates are not built for it. Leave offload_policy unset"
+        )
+    policy = kwargs.get("mp_policy")
+    if isinstance(policy, MixedPrecisionPolicy):
+        dtypes = {entry[0].dtype for entry in recorded.values()}
+        for setting in ("param_dtype", "reduce_dtype"):
+            value = getattr(policy, setting)
+            if value is not None and dtypes - {value}:
+                raise ValueError(
+                    f"mp_policy {setting}={value}: annotated parameters are {sorted(map(str, dtypes))}, and their "
+                    "in-backward update would step on gradients computed (or reduced) in another precision "
+                    "than the reference's; leave mp_policy's param_dtype and reduce_dtype unset"
+                )
+
+
+def _check_parameters(recorded: dict, custom_placement: bool) -> None:
+    for name, (param, group, clip) in recorded.items():
+        if clip is not None:
+            raise ValueError(
+                f"parameter {name!r} is in a gradient clipping set: clipping across FSDP shards is not built "
+                "yet; clip the dense part under DDP (sharders.DataParallelWrapper) instead"
+            )
+        if group is None:
+            continue
+        spec = group.spec
+        elementwise = spec.row_separable and spec.column_separable
+        if not (elementwise or (spec.row_separable and param.dim() >= 2 and not custom_placement)):
+            raise ValueError(
+                f"parameter {name!r} (shape {tuple(param.shape)}) is annotated with {spec.name}, which does not "
+                "step a shard as it steps those rows of the whole parameter (a layer-wise or whole-matrix "
+                "optimizer); its cross-shard form under FSDP is not built yet. Keep this module out of "
+                "fully_shard (DDP), or annotate it with an element-wise optimizer"
+            )

@@ -1,0 +1,202 @@
+"""Rank bodies for the FSDP2 tests (spawned; not collected by pytest)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import overlap_optim
+
+BIASES = (torch.optim.Adam, {"lr": 0.02})
+BATCH = 4  # per rank
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    """Rows 5, 3 and 1: no layer divides by 2 ranks, and the last leaves rank 1 an empty shard."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 1))
+
+
+def _linears(model: nn.Sequential) -> list[nn.Linear]:
+    return [m for m in model if isinstance(m, nn.Linear)]
+
+
+def _batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(400 + step)
+    return torch.randn(world_size * BATCH, 6, generator=generator), torch.randn(world_size * BATCH, 1, generator=generator)
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (model(x) - y).square().mean()
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    return param.full_tensor() if hasattr(param, "full_tensor") else param
+
+
+def sharded_pair(weights: tuple, seed: int = 0):
+    """(ours: annotated and sharded by overlap_optim.fully_shard, the reference, its optimizers). The
+    weights get ``weights`` = (class, kwargs) with one learning rate per layer (a setting each); the
+    biases Adam."""
+    cls, kwargs = weights
+    model = mlp(seed)
+    reference = copy.deepcopy(model)
+    ref_opts = []
+    for i, (ours, ref) in enumerate(zip(_linears(model), _linears(reference))):
+        layer_kwargs = {**kwargs, "lr": kwargs["lr"] * (1 + i)}
+        overlap_optim.apply_optimizer_in_backward(cls, [ours.weight], layer_kwargs)
+        ref_opts.append(cls([ref.weight], **layer_kwargs))
+    overlap_optim.apply_optimizer_in_backward(BIASES[0], [m.bias for m in _linears(model)], BIASES[1])
+    ref_opts.append(BIASES[0]([m.bias for m in _linears(reference)], **BIASES[1]))
+    return model, reference, ref_opts
+
+
+def train(model, reference, ref_opts, rank, world_size, steps, before_step=None):
+    """Each step: ours on this rank's part of the batch, the reference on the whole batch and
+    ``torch.optim``; the largest difference of any parameter after each step."""
+    diffs = []
+    for step in range(steps):
+        if before_step is not None:
+            before_step(step)
+        x, y = _batch(step, world_size)
+        _loss(model, x[rank * BATCH : (rank + 1) * BATCH], y[rank * BATCH : (rank + 1) * BATCH]).backward()
+        _loss(reference, x, y).backward()
+        for opt in ref_opts:
+            opt.step()
+            opt.zero_grad()
+        diffs.append(max((_full(p) - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())))
+    return diffs
+
+
+def parity(rank, world_size, weights, steps=4):
+    """Every step against one process; also: how far the reference moved, whether a gradient is left."""
+    model, reference, ref_opts = sharded_pair(weights)
+    start = [p.detach().clone() for p in reference.parameters()]
+    mesh = init_device_mesh("cpu", (world_size,))
+    overlap_optim.fully_shard(model, mesh=mesh)
+    diffs = train(model, reference, ref_opts, rank, world_size, steps)
+    return {
+        "diffs": diffs,
+        "moved": min((p.detach() - s).abs().max().item() for p, s in zip(reference.parameters(), start)),
+        "grads_left": [n for n, p in model.named_parameters() if p.grad is not None],
+        "local_rows": [p.to_local().shape[0] for p in model.parameters()],
+    }
+
+
+def scheduled(rank, world_size, steps=5):
+    """A LambdaLR on get_optimizers(model) against the same on the reference's optimizers; the keys."""
+    model, reference, ref_opts = sharded_pair((torch.optim.Adam, {"lr": 0.05}))
+    overlap_optim.fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    keyed = overlap_optim.get_optimizers(model)
+
+    def decay(step):
+        return 0.5**step
+
+    schedules = [torch.optim.lr_scheduler.LambdaLR(keyed, decay)]
+    schedules += [torch.optim.lr_scheduler.LambdaLR(o, decay) for o in ref_opts]
+
+    def after_first(step):
+        if step:
+            for schedule in schedules:
+                schedule.step()
+
+    diffs = train(model, reference, ref_opts, rank, world_size, steps, before_step=after_first)
+    state = keyed.state_dict()["state"]
+    return {"diffs": diffs, "keys": sorted(keyed.params), "state_types": sorted({type(v["exp_avg"]).__name__
+                                                                                for v in state.values()})}
+
+
+def torch_fully_shard(rank, world_size):
+    """Annotated, then torch's own fully_shard: get_optimizers must refuse that model, and accept one
+    sharded by overlap_optim.fully_shard in the same process meanwhile (the check is per model)."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    theirs, ours = mlp(), mlp()
+    for model in (theirs, ours):
+        overlap_optim.apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 0.05})
+    for layer in _linears(theirs):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(theirs, mesh=mesh)
+    overlap_optim.fully_shard(ours, mesh=mesh)
+    found = {"ours": sorted(overlap_optim.get_optimizers(ours).params), "theirs": ""}
+    try:
+        overlap_optim.get_optimizers(theirs)
+    except RuntimeError as error:
+        found["theirs"] = str(error)
+    return found
+
+
+def accumulated(rank, world_size, steps=3, micro=3):
+    """Each step: 2 micro-batches in no_step, the last outside; the reference: the 3 losses' gradients
+    summed, then torch.optim. Returns the differences after each step and the reduce-scatters per step."""
+    import torch.distributed as dist
+
+    model, reference, ref_opts = sharded_pair((torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1}))
+    overlap_optim.fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    calls, original = [], dist.reduce_scatter_single  # what FSDP2 calls in torch 2.13
+    diffs = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    dist.reduce_scatter_single = counting
+    try:
+        for step in range(steps):
+            x, y = _batch(step, world_size * micro)
+            parts = x.view(micro, world_size, BATCH, 6), y.view(micro, world_size, BATCH, 1)
+            for m in range(micro):
+                with overlap_optim.no_step(model) if m < micro - 1 else contextlib.nullcontext():
+                    (_loss(model, parts[0][m, rank], parts[1][m, rank]) / micro).backward()
+            for m in range(micro):
+                (_loss(reference, parts[0][m].reshape(-1, 6), parts[1][m].reshape(-1, 1)) / micro).backward()
+            for opt in ref_opts:
+                opt.step()
+                opt.zero_grad()
+            diffs.append(max((_full(p) - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())))
+    finally:
+        dist.reduce_scatter_single = original
+    return {"diffs": diffs, "reduce_scatters_per_step": len(calls) / steps}
+
+
+CHECKPOINTED = (torch.optim.Adam, {"lr": 0.05, "amsgrad": True})
+
+
+def reference_after(steps: int, world_size: int):
+    """(the unsharded reference, its optimizers) after ``steps`` steps on the global batches."""
+    _, reference, ref_opts = sharded_pair(CHECKPOINTED)
+    for step in range(steps):
+        x, y = _batch(step, world_size)
+        _loss(reference, x, y).backward()
+        for opt in ref_opts:
+            opt.step()
+            opt.zero_grad()
+    return reference, ref_opts
+
+
+def checkpoint_to_ddp(rank, world_size, directory, steps=2):
+    """Train under FSDP2, save with overlap_optim.checkpoint; load into the same MLP under DDP (another
+    start), then one more step each: the differences from the reference after the load and after it."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model, reference, ref_opts = sharded_pair(CHECKPOINTED)
+    overlap_optim.fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    train(model, reference, ref_opts, rank, world_size, steps)
+    overlap_optim.checkpoint.save(directory, model, overlap_optim.get_optimizers(model), {"step": steps})
+    other, _, _ = sharded_pair(CHECKPOINTED, seed=1)
+    ddp = DistributedDataParallel(other)
+    overlap_optim.register_optimizer_hook(ddp)
+    extra = overlap_optim.checkpoint.load(directory, ddp, overlap_optim.get_optimizers(ddp), {"step": None})
+    loaded = max((p - q).abs().max().item() for p, q in zip(other.parameters(), reference.parameters()))
+    x, y = _batch(steps, world_size)
+    _loss(ddp, x[rank * BATCH : (rank + 1) * BATCH], y[rank * BATCH : (rank + 1) * BATCH]).backward()
+    _loss(reference, x, y).backward()
+    for opt in ref_opts:
+        opt.step()
+    after = max((p - q).abs().max().item() for p, q in zip(other.parameters(), reference.parameters()))
+    return {"loaded": loaded, "after_a_step": after, "extra": extra["step"]}

@@ -1,0 +1,131 @@
+"""FSDP2 for the dense part (overlap_optim/fsdp.py): 2 ranks, gloo, against one process of torch.optim.
+
+Reference: the unsharded MLP, the global batch, ``torch.optim`` as a user builds it, compared after
+every step. The MLP's layers have 5, 3 and 1 rows: none divides by 2 ranks, the last leaves rank 1
+an empty shard.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+from torch import nn
+
+import overlap_optim
+from overlap_optim.testing import run_cases, selected_cases
+from _fsdp_bodies import (
+    CHECKPOINTED, _batch, _loss, accumulated, checkpoint_to_ddp, parity, reference_after, scheduled,
+    sharded_pair, torch_fully_shard,
+)
+from test_parity_single_process import CASES
+
+PARITY = {f"parity/{name}": partial(parity, weights=(cls, kwargs)) for name, cls, kwargs in CASES}
+RANK_CASES = {**PARITY, "scheduled": scheduled, "accumulated": accumulated, "torch_fully_shard": torch_fully_shard}
+
+
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory):
+    return tmp_path_factory.mktemp("fsdp_checkpoint")
+
+
+@pytest.fixture(scope="module")
+def ranks(request, directory):
+    cases = {**RANK_CASES, "checkpoint": partial(checkpoint_to_ddp, directory=str(directory))}
+    return run_cases(cases, selected_cases(request, cases), timeout=600)
+
+
+@pytest.mark.parametrize("case", PARITY)
+def test_each_shard_steps_in_backward_exactly_as_torch_optim_on_the_whole(ranks, case):
+    for out in ranks[case]:
+        assert max(out["diffs"]) < 1e-6, out["diffs"]
+        assert out["moved"] > 1e-3, out  # the reference moved every parameter
+        assert out["grads_left"] == [], out  # each gradient released after its step
+    assert [r["local_rows"] for r in ranks[case]] == [[3, 3, 2, 2, 1, 1], [2, 2, 1, 1, 0, 0]]
+
+
+@pytest.mark.parametrize("case", ["scheduled"])
+def test_a_scheduler_on_get_optimizers_reaches_the_shards(ranks, case):
+    for out in ranks[case]:
+        assert max(out["diffs"]) < 1e-6, out["diffs"]
+        assert out["keys"] == ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias", "4.weight"], out
+        assert out["state_types"] == ["DTensor"], out  # each rank's state is its shard's
+
+
+@pytest.mark.parametrize("case", ["accumulated"])
+def test_no_step_accumulates_unsharded_and_steps_once_on_the_sum(ranks, case):
+    for out in ranks[case]:
+        assert max(out["diffs"]) < 1e-6, out["diffs"]
+        # one reduce-scatter per FSDP group (3 layers) per step: none in the no_step micro-batches
+        assert out["reduce_scatters_per_step"] == 3, out
+
+
+@pytest.mark.parametrize("case", ["torch_fully_shard"])
+def test_annotated_parameters_sharded_by_torch_are_refused(ranks, case):
+    for out in ranks[case]:
+        assert "overlap_optim.fully_shard" in out["theirs"] and "6 annotated parameter(s)" in out["theirs"], out
+        assert len(out["ours"]) == 6, out
+
+
+@pytest.mark.parametrize("case", ["checkpoint"])
+def test_a_checkpoint_saved_under_fsdp_loads_under_ddp(ranks, case):
+    for out in ranks[case]:
+        assert out["loaded"] < 1e-6 and out["after_a_step"] < 1e-6, out
+        assert out["extra"] == 2, out
+
+
+@pytest.mark.parametrize("case", ["checkpoint"])
+def test_a_checkpoint_saved_under_fsdp_on_2_ranks_loads_in_one_process(ranks, case, directory):
+    ranks[case]  # saved by the ranks
+    model = sharded_pair(CHECKPOINTED, seed=1)[0]  # another start: the load must replace it
+    overlap_optim.checkpoint.load(directory, model, overlap_optim.get_optimizers(model))
+    reference, ref_opts = reference_after(2, world_size=2)
+    assert max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())) < 1e-6
+    x, y = _batch(2, world_size=2)  # one more step on the global batch, in one process
+    _loss(model, x, y).backward()
+    _loss(reference, x, y).backward()
+    for opt in ref_opts:
+        opt.step()
+    assert max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())) < 1e-6
+
+
+# -- refused before anything is sharded (one process) --
+
+
+def _annotated(cls=torch.optim.Adam, kwargs=None):
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 1))
+    overlap_optim.apply_optimizer_in_backward(cls, model.parameters(), kwargs or {"lr": 0.05})
+    return model
+
+
+def test_a_layerwise_optimizer_is_refused_naming_the_parameter():
+    with pytest.raises(ValueError, match=r"parameter '0.weight' \(shape \(5, 6\)\) is annotated with Adafactor"):
+        overlap_optim.fully_shard(_annotated(torch.optim.Adafactor))
+
+
+def test_cpu_offload_is_refused():
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    with pytest.raises(ValueError, match="offload_policy=CPUOffloadPolicy"):
+        overlap_optim.fully_shard(_annotated(), offload_policy=CPUOffloadPolicy())
+
+
+@pytest.mark.parametrize("setting", ["param_dtype", "reduce_dtype"])
+def test_mixed_precision_that_casts_is_refused(setting):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    with pytest.raises(ValueError, match=f"mp_policy {setting}=torch.bfloat16"):
+        overlap_optim.fully_shard(_annotated(), mp_policy=MixedPrecisionPolicy(**{setting: torch.bfloat16}))
+
+
+def test_clipped_parameters_are_refused():
+    model = _annotated()
+    overlap_optim.apply_gradient_clipping(model.parameters(), max_norm=1.0)
+    with pytest.raises(ValueError, match="parameter '0.weight' is in a gradient clipping set"):
+        overlap_optim.fully_shard(model)
+
+
+def test_fully_shard_takes_a_module():
+    with pytest.raises(TypeError, match="got list"):
+        overlap_optim.fully_shard([nn.Linear(2, 2)])
