@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from overlap_optim.update import live_optimizer, step_when_ready
 
 __all__ = [
     "apply_optimizer_in_backward", "materialize", "record_annotations", "reattach_annotations", "AnnotationGroup",
-    "needs_closure", "annotated_parameters",
+    "needs_closure", "annotated_parameters", "replace_step_hook",
 ]
 
 # Every parameter annotated now, by id; weak: an entry lives as long as its parameter.
@@ -156,6 +156,16 @@ def annotated_parameters() -> list[torch.Tensor]:
     including Parameter objects that something replaced on their module."""
     return [p for p in list(_ANNOTATED.values())
             if getattr(p, "_overlap_group", None) is not None and any(q is p for q in p._overlap_group.param_group["params"])]
+
+
+def replace_step_hook(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+    """Make ``hook`` (a post-accumulate-grad hook) what steps the annotated ``param`` in backward,
+    instead of :func:`~overlap_optim.update.step_when_ready` stepping it alone; for a wrapper that
+    steps parameters together (``overlap_optim.fsdp``)."""
+    assert getattr(param, "_overlap_group", None) is not None, "replace_step_hook on a parameter without annotation"
+    for handle in _private.pop_in_backward_hook_handles(param):
+        handle.remove()
+    _private.add_in_backward_hook_handle(param, param.register_post_accumulate_grad_hook(hook))
 
 
 def _annotate(param: torch.Tensor, group: AnnotationGroup) -> None:

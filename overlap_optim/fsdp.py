@@ -6,8 +6,9 @@ object stay behind with it. :func:`fully_shard` wraps torch's and carries each
 annotation over to the sharded parameter. FSDP2 then calls that parameter's
 post-accumulate-grad hooks right after its reduce-scatter: the annotated optimizer
 steps there, on this rank's shard of the averaged gradient, and the gradient is
-released (:func:`overlap_optim.update.step_when_ready`, as for any parameter
-outside DDP).
+released. The annotated parameters of one FSDP group step together, once the
+last of them has its gradient (:class:`GroupStep`): one multi-tensor update per
+virtual group, as a DDP bucket's.
 
 An optimizer steps a shard exactly as it would step those rows of the whole
 parameter only if it is separable along dim 0 (``OptimizerSpec.row_separable``;
@@ -30,9 +31,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from overlap_optim import _private
-from overlap_optim.annotation import annotated_parameters, record_annotations, reattach_annotations
+from overlap_optim.accumulation import accumulating
+from overlap_optim.annotation import annotated_parameters, record_annotations, reattach_annotations, replace_step_hook
+from overlap_optim.update import step_params
 
-__all__ = ["fully_shard", "refuse_lost_annotations"]
+__all__ = ["fully_shard", "refuse_lost_annotations", "GroupStep"]
 
 def fully_shard(module: nn.Module, *, mesh: Any = None, **kwargs: Any) -> nn.Module:
     """torch's ``fully_shard`` on every submodule of ``module`` that directly owns
@@ -70,7 +73,40 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, **kwargs: Any) -> nn.Mod
         torch_fully_shard(sub, mesh=mesh, **kwargs)
     torch_fully_shard(module, mesh=mesh, **kwargs)
     reattach_annotations(module, recorded)
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            annotated = [p for p in _managed(sub) if getattr(p, "_overlap_group", None) is not None]
+            if annotated:
+                group_step = GroupStep(annotated)
+                for param in annotated:
+                    replace_step_hook(param, group_step)
     return module
+
+
+class GroupStep:
+    """The post-accumulate-grad hook of the annotated parameters of one FSDP group: FSDP2 calls
+    it for each of them, one after the other, right after the group's reduce-scatter; the last
+    call steps them all at once (:func:`overlap_optim.update.step_params`: one multi-tensor
+    update per virtual group). Those whose gradient came (a parameter unused in forward has
+    none) and have not stepped yet step when backward ends. Inside ``no_step``, nothing."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.expected = len(params)
+        self.ready: list[torch.Tensor] = []
+
+    def __call__(self, param: torch.Tensor) -> None:
+        if accumulating(param):
+            return
+        if not self.ready:
+            _private.queue_end_of_backward(self.flush)
+        self.ready.append(param)
+        if len(self.ready) == self.expected:
+            self.flush()
+
+    def flush(self) -> None:
+        ready, self.ready = self.ready, []
+        if ready:
+            step_params(ready)
 
 
 def refuse_lost_annotations(model: nn.Module) -> None:
@@ -87,6 +123,17 @@ def refuse_lost_annotations(model: nn.Module) -> None:
             "replaced them with new parameters and left their in-backward optimizers behind: nothing would "
             "train them. Shard the annotated module with overlap_optim.fully_shard(module, mesh=mesh) instead"
         )
+
+
+def _managed(module: nn.Module) -> list[torch.Tensor]:
+    """The parameters of FSDP module ``module``'s own group: its subtree's, less those of nested
+    FSDP modules."""
+    found, stack = [], [module]
+    while stack:
+        sub = stack.pop()
+        found += list(sub.parameters(recurse=False))
+        stack += [c for c in sub.children() if not isinstance(c, FSDPModule)]
+    return found
 
 
 def _owners(module: nn.Module, ignored: set[torch.Tensor]) -> list[nn.Module]:

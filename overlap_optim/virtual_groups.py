@@ -21,16 +21,20 @@ so it is the live optimizers' own state. Any other class, or a group that sets
 for ``foreach``/``fused`` one call per annotation group (:func:`overlap_optim.update.step_params`).
 
 The update takes tensors, gradients, state dicts and param-group dicts, so the
-same call serves dense parameters (the DDP comm hook, data-parallel tables) and
-the gathered rows of fallback tables (:mod:`overlap_optim.update`).
+same call serves dense parameters (the DDP comm hook, data-parallel tables), the
+gathered rows of fallback tables (:mod:`overlap_optim.update`) and FSDP2's sharded
+DTensor parameters (:mod:`overlap_optim.fsdp`). Every class here is element-wise,
+so a DTensor steps on its local shard (torch's fused kernels have no DTensor
+rule); its state stays a DTensor sharded as the parameter is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from overlap_optim._private import foreach
 from overlap_optim.fused import fused_step
@@ -64,6 +68,9 @@ def multi_tensor_step(
     assert len(params) == len(grads) == len(states) == len(hypers)
     if not params:
         return
+    if isinstance(params[0], DTensor):  # a virtual group's tensors agree in type
+        states = [_LocalState(state, param) for state, param in zip(states, params)]
+        params, grads = [p.to_local() for p in params], [g.to_local() for g in grads]
     fixed = spec.fixed
     with torch.no_grad():
         if fused_step(spec.optimizer_class, fixed, params, grads, states, hypers, _step_counters, _state):
@@ -71,6 +78,35 @@ def multi_tensor_step(
         if fixed.get("maximize"):
             grads = foreach.neg(grads)
         MULTI_TENSOR[spec.optimizer_class](params, grads, states, hypers, fixed)
+
+
+class _LocalState(MutableMapping):
+    """A DTensor parameter's ``torch.optim`` state seen on its local shard: a DTensor entry reads as
+    its local tensor (the same storage), and a new entry shaped as the local shard is stored as a
+    DTensor placed as the parameter is; scalars (the step counter) pass as they are."""
+
+    def __init__(self, state: dict[str, Any], param: DTensor) -> None:
+        self.state, self.param = state, param
+
+    def __getitem__(self, key: str) -> Any:
+        value = self.state[key]
+        return value.to_local() if isinstance(value, DTensor) else value
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        local = self.param.to_local()
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == local.shape:
+            value = DTensor.from_local(value, self.param.device_mesh, self.param.placements, run_check=False,
+                                       shape=self.param.shape, stride=self.param.stride())
+        self.state[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self.state[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.state)
+
+    def __len__(self) -> int:
+        return len(self.state)
 
 
 def _floats(hypers: list[dict[str, Any]], key: str, index: int | None = None) -> list[float]:

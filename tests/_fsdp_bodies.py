@@ -200,3 +200,47 @@ def checkpoint_to_ddp(rank, world_size, directory, steps=2):
         opt.step()
     after = max((p - q).abs().max().item() for p, q in zip(other.parameters(), reference.parameters()))
     return {"loaded": loaded, "after_a_step": after, "extra": extra["step"]}
+
+
+def grouped(rank, world_size, steps=2):
+    """Adam weights (a learning rate per layer) and Adam biases (another): per step, the sizes of the
+    multi-tensor updates, and the differences from the reference."""
+    from overlap_optim import update
+
+    model, reference, ref_opts = sharded_pair((torch.optim.Adam, {"lr": 0.05}))
+    overlap_optim.fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    sizes, original = [], update.multi_tensor_step
+
+    def counting(spec, params, *args):
+        sizes.append(len(params))
+        return original(spec, params, *args)
+
+    update.multi_tensor_step = counting
+    try:
+        diffs = train(model, reference, ref_opts, rank, world_size, steps)
+    finally:
+        update.multi_tensor_step = original
+    return {"diffs": diffs, "sizes": sizes}
+
+
+class _HalfUsed(nn.Module):
+    """One FSDP group of two parameters, of which forward uses one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.used, self.unused = nn.Parameter(torch.randn(5, 6)), nn.Parameter(torch.randn(5, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.used.t()).sum(1, keepdim=True)
+
+
+def unused(rank, world_size, steps=2):
+    """A parameter with no gradient in its FSDP group: the other steps at the end of backward, and the
+    unused one is left as torch.optim leaves it."""
+    model = _HalfUsed()
+    reference = copy.deepcopy(model)
+    overlap_optim.apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 0.05})
+    overlap_optim.fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    return {"diffs": train(model, reference, [torch.optim.Adam(reference.parameters(), lr=0.05)], rank, world_size,
+                           steps)}

@@ -16,13 +16,13 @@ from torch import nn
 import overlap_optim
 from overlap_optim.testing import run_cases, selected_cases
 from _fsdp_bodies import (
-    CHECKPOINTED, _batch, _loss, accumulated, checkpoint_to_ddp, parity, reference_after, scheduled,
-    sharded_pair, torch_fully_shard,
+    CHECKPOINTED, _batch, _loss, accumulated, checkpoint_to_ddp, grouped, parity, reference_after, scheduled,
+    sharded_pair, torch_fully_shard, unused,
 )
 from test_parity_single_process import CASES
 
 PARITY = {f"parity/{name}": partial(parity, weights=(cls, kwargs)) for name, cls, kwargs in CASES}
-RANK_CASES = {**PARITY, "scheduled": scheduled, "accumulated": accumulated, "torch_fully_shard": torch_fully_shard}
+RANK_CASES = {**PARITY, "grouped": grouped, "unused": unused, "scheduled": scheduled, "accumulated": accumulated, "torch_fully_shard": torch_fully_shard}
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +43,20 @@ def test_each_shard_steps_in_backward_exactly_as_torch_optim_on_the_whole(ranks,
         assert out["moved"] > 1e-3, out  # the reference moved every parameter
         assert out["grads_left"] == [], out  # each gradient released after its step
     assert [r["local_rows"] for r in ranks[case]] == [[3, 3, 2, 2, 1, 1], [2, 2, 1, 1, 0, 0]]
+
+
+@pytest.mark.parametrize("case", ["grouped"])
+def test_each_fsdp_group_steps_in_one_multi_tensor_update(ranks, case):
+    for out in ranks[case]:
+        assert max(out["diffs"]) < 1e-6, out["diffs"]
+        # per step, per layer (an FSDP group): its weight and bias, two learning rates, one update
+        assert out["sizes"] == [2, 2, 2] * 2, out["sizes"]
+
+
+@pytest.mark.parametrize("case", ["unused"])
+def test_a_group_with_an_unused_parameter_steps_the_rest_when_backward_ends(ranks, case):
+    for out in ranks[case]:
+        assert max(out["diffs"]) < 1e-6, out["diffs"]
 
 
 @pytest.mark.parametrize("case", ["scheduled"])
