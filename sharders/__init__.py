@@ -3,7 +3,7 @@
 Arrows run from ``sharders`` to ``overlap_optim``, never back.
 """
 
-from sharders.data_parallel import DataParallelWrapper
+from sharders.data_parallel import DataParallelWrapper, FullyShardWrapper
 from sharders.describe import describe
 from sharders.embedding import EmbeddingCollectionSharder
 from sharders.embeddingbag import EmbeddingBagCollectionSharder
@@ -14,6 +14,6 @@ from sharders.plan import ShardedModulePlan, plan_of
 from sharders.storage_reservation import DenseStorageReservation, dense_bytes
 
 __all__ = [
-    "DataParallelWrapper", "DenseStorageReservation", "dense_bytes", "describe", "EmbeddingBagCollectionSharder", "EmbeddingCollectionSharder", "EmbeddingShardingPlanner", "KernelChoice", "KernelKind", "TableDecision",
+    "DataParallelWrapper", "FullyShardWrapper", "DenseStorageReservation", "dense_bytes", "describe", "EmbeddingBagCollectionSharder", "EmbeddingCollectionSharder", "EmbeddingShardingPlanner", "KernelChoice", "KernelKind", "TableDecision",
     "TableKernel", "ShardedModulePlan", "choose_kernel", "plan_of",
 ]

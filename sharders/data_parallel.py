@@ -6,6 +6,9 @@
   gradient, with dense semantics.
 - :class:`DataParallelWrapper` wraps the unsharded part of a DMP model in DDP,
   with the same hook.
+- :class:`FullyShardWrapper` shards it with FSDP2 instead
+  (:func:`overlap_optim.fully_shard`): each annotated dense parameter steps on
+  its shard right after its reduce-scatter.
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.model_parallel import DataParallelWrapper as TorchRecDataParallelWrapper
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
-from torchrec.distributed.types import ShardingEnv
+from torchrec.distributed.types import ShardedModule, ShardingEnv
+
+import overlap_optim
 
 from overlap_optim.annotation import reattach_annotations, record_annotations
 from overlap_optim.clipping import join_clipping
@@ -30,7 +36,7 @@ from sharders import _private
 from sharders.kernels import BuildContext, KernelKind, TableKernel
 from sharders.managed_collision import refuse_managed_collision
 
-__all__ = ["DataParallelTable", "DataParallelWrapper"]
+__all__ = ["DataParallelTable", "DataParallelWrapper", "FullyShardWrapper"]
 
 
 class DataParallelTable(TableKernel):
@@ -141,6 +147,43 @@ class DataParallelWrapper(DefaultDataParallelWrapper):
         wrapped = _private.wrapped_module(dmp)
         if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
             register_optimizer_hook(wrapped, comm=comm, local_sgd=self.local_sgd)
+
+
+class FullyShardWrapper(TorchRecDataParallelWrapper):
+    """What ``DistributedModelParallel(data_parallel_wrapper=...)`` takes to shard the unsharded
+    part of the model with FSDP2 instead of replicating it under DDP.
+
+    It applies :func:`overlap_optim.fully_shard` to the model DMP wraps, with every parameter of
+    the sharded modules (the tables, data-parallel ones included: TorchRec's lookups reduce
+    those) in ``ignored_params``; the annotated dense parameters keep their annotations and
+    step on their shards right after each reduce-scatter. One ``get_optimizers(model)``
+    covers the tables and the dense part. A model built on the meta device keeps its
+    annotations, as with :class:`DataParallelWrapper`.
+
+    Args:
+        mesh: the 1-D device mesh (torch's default: every rank).
+        **fully_shard_kwargs: torch's ``fully_shard`` settings, checked by
+            :func:`overlap_optim.fully_shard`.
+
+    Example:
+        >>> model = DistributedModelParallel(model, plan=plan, sharders=[sharder],
+        ...                                  data_parallel_wrapper=FullyShardWrapper(mesh=mesh))
+    """
+
+    def __init__(self, mesh: Any = None, **fully_shard_kwargs: Any) -> None:
+        if "ignored_params" in fully_shard_kwargs:
+            raise ValueError("FullyShardWrapper: ignored_params is set by the wrapper (every sharded table's)")
+        self.mesh, self.kwargs = mesh, fully_shard_kwargs
+        self._recording = _record_when_registered(self)
+
+    def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
+        refuse_managed_collision(dmp.module)
+        reattach_annotations(dmp.module, dmp.__dict__.pop(_RECORDED, {}))
+        module = _private.wrapped_module(dmp)
+        if isinstance(module, torch.distributed.fsdp.FSDPModule):
+            return
+        ignored = {p for m in module.modules() if isinstance(m, ShardedModule) for p in m.parameters()}
+        overlap_optim.fully_shard(module, mesh=self.mesh, ignored_params=ignored, **self.kwargs)
 
 
 def _record_when_registered(wrapper: DataParallelWrapper):

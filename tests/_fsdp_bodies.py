@@ -244,3 +244,30 @@ def unused(rank, world_size, steps=2):
     overlap_optim.fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
     return {"diffs": train(model, reference, [torch.optim.Adam(reference.parameters(), lr=0.05)], rank, world_size,
                            steps)}
+
+
+def dmp_with_fsdp(rank, world_size, steps=3):
+    """Tables sharded by our sharder (fused Adagrad table_wise, fallback Adam row_wise, data-parallel
+    SGD) and the MLP sharded by FSDP2 (sharders.FullyShardWrapper, AdamW): every weight compared with
+    the unsharded model under torch.optim after every step (inside step_side_by_side); the keys of the
+    one get_optimizers(model) and whether the MLP's parameters are sharded."""
+    import sharders
+    from _models import covering_batch
+    from _sharded_parity import build, step_side_by_side
+
+    names = ["t0", "t1", "t2"]
+    settings = [(torch.optim.Adagrad, {"lr": 0.1}), (torch.optim.Adam, {"lr": 0.05}), (torch.optim.SGD, {"lr": 0.1})]
+    types = {"t0": "table_wise", "t1": "row_wise", "t2": "data_parallel"}
+    wrapper = sharders.FullyShardWrapper(mesh=init_device_mesh("cpu", (world_size,)))
+    dmp, reference, ref_opts = build(names, settings, types, world_size, dense=(torch.optim.AdamW, {"lr": 0.02,
+                                     "weight_decay": 0.1}), dense_layers=(0, 2), wrapper=wrapper)
+    start = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(800 + step)
+        parts = [covering_batch(names, generator) for _ in range(world_size)]
+        step_side_by_side(dmp, reference, ref_opts, names, parts, rank, step)
+    return {
+        "keys": sorted(overlap_optim.get_optimizers(dmp).params),
+        "dense_types": sorted({type(p).__name__ for n, p in dmp.named_parameters() if ".dense." in f".{n}"}),
+        "moved": {n: (p.detach() - start[n]).abs().max().item() for n, p in reference.named_parameters()},
+    }

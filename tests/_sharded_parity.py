@@ -7,6 +7,7 @@ import copy
 import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 
@@ -34,7 +35,7 @@ FAMILIES = {
 
 
 def build(names, settings, sharding_type, world_size, sharder=None, dense=None, comm=None, together=False,
-          pinned_dense=(), seed=0, dense_layers=(0,), dim=8, family="ebc", dense_tables=()):
+          pinned_dense=(), seed=0, dense_layers=(0,), dim=8, family="ebc", dense_tables=(), wrapper=None):
     """(sharded DMP model, unsharded reference, reference optimizers) from one seed.
 
     ``sharding_type``: one for every table, or a dict table -> type.
@@ -44,6 +45,7 @@ def build(names, settings, sharding_type, world_size, sharder=None, dense=None, 
     ``dim``: the tables' width; shards are at least 4 rows or columns (16: four column shards).
     ``family``: "ebc" (an EmbeddingBagCollection) or "ec" (an EmbeddingCollection, see ``FAMILIES``).
     ``dense_tables``: tables the sharder runs with dense semantics.
+    ``wrapper``: DMP's data_parallel_wrapper for the dense part (default, with ``dense``: ours for DDP).
     """
     model_class, sharder_class = FAMILIES[family]
     model = model_class(names, seed=seed, dim=dim)
@@ -54,11 +56,11 @@ def build(names, settings, sharding_type, world_size, sharder=None, dense=None, 
         if not together:
             apply_optimizer_in_backward(cls, model.tables[name].parameters(), kwargs)
     ref_opts = [cls(reference.tables[n].parameters(), **kw) for n, (cls, kw) in zip(names, settings)]
-    wrapper = {}
+    data_parallel_wrapper, wrapper = wrapper, {}
     if dense is not None:  # the MLP's dense_layers annotated (dense[2] left to a user optimizer by default)
         apply_optimizer_in_backward(dense[0], [p for i in dense_layers for p in model.dense[i].parameters()], dense[1])
         ref_opts.append(dense[0]([p for i in dense_layers for p in reference.dense[i].parameters()], **dense[1]))
-        wrapper = {"data_parallel_wrapper": sharders.DataParallelWrapper(allreduce_comm_precision=comm)}
+        wrapper = {"data_parallel_wrapper": data_parallel_wrapper or sharders.DataParallelWrapper(allreduce_comm_precision=comm)}
     sharder = sharder or sharder_class(fallback_tables=pinned_dense, dense_tables=dense_tables)
     types = sharding_type if isinstance(sharding_type, dict) else dict.fromkeys(names, sharding_type)
     constraints = {n: ParameterConstraints(sharding_types=[types[n]], min_partition=4) for n in names}
@@ -113,7 +115,9 @@ def compare(dmp, reference, names, step, atol=1e-5, diffs=None):
     state = dmp.state_dict()
     dense_diff = 0.0
     for name, ref in reference.dense.named_parameters():
-        diff = (state[f"dense.{name}"] - ref.detach()).abs().max().item()
+        value = state[f"dense.{name}"]
+        value = value.full_tensor() if isinstance(value, DTensor) else value  # FSDP2: every rank gathers
+        diff = (value - ref.detach()).abs().max().item()
         dense_diff = max(dense_diff, diff)
         assert diff <= atol, f"step {step}, dense.{name}: max diff {diff:.3g} from torch.optim"
     for name in names:

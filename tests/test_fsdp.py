@@ -16,13 +16,13 @@ from torch import nn
 import overlap_optim
 from overlap_optim.testing import run_cases, selected_cases
 from _fsdp_bodies import (
-    CHECKPOINTED, _batch, _loss, accumulated, checkpoint_to_ddp, grouped, parity, reference_after, scheduled,
+    CHECKPOINTED, _batch, _loss, accumulated, checkpoint_to_ddp, dmp_with_fsdp, grouped, parity, reference_after, scheduled,
     sharded_pair, torch_fully_shard, unused,
 )
 from test_parity_single_process import CASES
 
 PARITY = {f"parity/{name}": partial(parity, weights=(cls, kwargs)) for name, cls, kwargs in CASES}
-RANK_CASES = {**PARITY, "grouped": grouped, "unused": unused, "scheduled": scheduled, "accumulated": accumulated, "torch_fully_shard": torch_fully_shard}
+RANK_CASES = {**PARITY, "grouped": grouped, "unused": unused, "dmp": dmp_with_fsdp, "scheduled": scheduled, "accumulated": accumulated, "torch_fully_shard": torch_fully_shard}
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,16 @@ def test_each_fsdp_group_steps_in_one_multi_tensor_update(ranks, case):
 def test_a_group_with_an_unused_parameter_steps_the_rest_when_backward_ends(ranks, case):
     for out in ranks[case]:
         assert max(out["diffs"]) < 1e-6, out["diffs"]
+
+
+@pytest.mark.parametrize("case", ["dmp"])
+def test_sharded_tables_and_an_fsdp_dense_part_train_exactly_under_one_optimizer(ranks, case):
+    for out in ranks[case]:  # compared after every step in the ranks
+        assert out["dense_types"] == ["DTensor"], out
+        assert out["keys"] == ["dense.0.bias", "dense.0.weight", "dense.2.bias", "dense.2.weight",
+                               "ebc.embedding_bags.t0.weight", "ebc.embedding_bags.t1.weight",
+                               "ebc.embedding_bags.t2.weight"], out["keys"]
+        assert min(out["moved"].values()) > 1e-3, out["moved"]
 
 
 @pytest.mark.parametrize("case", ["scheduled"])
