@@ -6,7 +6,7 @@
    - ``ours (2 ranks x 1 thread)``: the table annotated with ``torch.optim.Adafactor``,
      sharded ``row_wise`` by ``sharders.EmbeddingBagCollectionSharder`` under
      ``DistributedModelParallel`` on 2 gloo ranks, each with half the batch; the update
-     runs in backward, whole-table statistics in one all-reduce (``sharders/cross_shard.py``);
+     runs in backward, whole-table statistics in one all-reduce (``overlap_optim/cross_shard.py``);
    - ``one_process (2 threads)``: what a user does without us: ``nn.EmbeddingBag`` (dense
      gradient) holding the whole table in one process, the whole batch, and
      ``torch.optim.Adafactor`` stepped after backward; ``one_process (1 thread)`` the same
@@ -258,7 +258,7 @@ def run(quick: bool) -> dict:
     comm = ranks[0]["comm"]
     extra_calls = comm["Adafactor"]["calls"] - comm["Adam"]["calls"]
     extra_bytes = comm["Adafactor"]["bytes"] - comm["Adam"]["bytes"]
-    from sharders.cross_shard import AdafactorTable, Geometry
+    from overlap_optim.cross_shard import AdafactorTable, Geometry
 
     slot = AdafactorTable.slot_size(Geometry((COMM_ROWS, DIM), (0, 0), 0))
     expected = COMM_TABLES * slot * 8

@@ -55,7 +55,7 @@ NOTES = {
     "layerwise": (
         "Each rank's Adafactor step costs its touched rows plus two passes over its shard (the weight's norm "
         "and the weight decay): an untouched row's gradient is zero, so it adds nothing to the round's sums and its "
-        "update is zero (`sharders/cross_shard.py`). torch's Adafactor on the whole table makes about ten passes "
+        "update is zero (`overlap_optim/cross_shard.py`). torch's Adafactor on the whole table makes about ten passes "
         "over a dense gradient the size of the table. Before this (2026-11-23 report: 0.59x against 2 threads) "
         "each rank built that zero-filled gradient and made about 3x torch's passes over it. The 2 ranks share "
         "the machine's 2 cores, as the one-process peer's 2 threads do. The split also buys memory: a table "

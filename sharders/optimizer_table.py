@@ -33,7 +33,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from overlap_optim.clipping import GradientClipping, clipping_of
 from overlap_optim.spec import AnnotationGroup, OptimizerSpec, describe_optimizer, needs_closure
-from sharders.cross_shard import cross_shard_class
+from overlap_optim.cross_shard import cross_shard_class
 from sharders.kernels import COLUMN_SPLITTING, ROW_SPLITTING, KernelChoice, KernelKind, TableDecision
 
 __all__ = [

@@ -246,7 +246,7 @@ def parity_on_partial_batches(rank, world_size, cases, sharding_type, family="eb
 def _accepted_on(case, sharding_type) -> bool:
     """Separable along the axis ``sharding_type`` splits, or with a cross-shard form."""
     from overlap_optim.spec import describe_optimizer
-    from sharders.cross_shard import cross_shard_class
+    from overlap_optim.cross_shard import cross_shard_class
 
     spec = describe_optimizer(case[1], case[2])
     if cross_shard_class(case[1]) is not None:

@@ -1,0 +1,418 @@
+"""Cross-shard optimizers: layer-wise optimizers on a tensor split across ranks, whole-tensor
+statistics in one all-reduce per step.
+
+LAMB and LARS scale an update by a trust ratio of whole-tensor norms; Adafactor and
+CAME by the RMS of the whole update and factored second moments. On a tensor split
+into row or column shards (a table under ``sharders``, a parameter under FSDP2), no
+shard can compute those alone, so the optimizer model finds these optimizers not
+separable. For the classes in :data:`CROSS_SHARD` the split still steps exactly:
+
+1. In backward, each shard runs the first half of the update on its own rows
+   or columns (moments, weight decay, the raw update) and writes the partial
+   sums the second half needs (``||w||^2``, ``||u||^2`` ...) into its tensor's
+   slot of one flat buffer.
+2. When backward ends, an end-of-backward round
+   (:class:`overlap_optim.round.EndOfBackwardRound`) sums that buffer across
+   ranks in **one all-reduce**: the slots of every such tensor travel together,
+   so one tensor or forty cost the same one collective per step.
+3. Each shard finishes its update with the whole-tensor statistics.
+
+The result is the unsharded optimizer's, with dense semantics (every row
+steps, untouched rows of a table on a zero gradient).
+
+Every rank takes part in the round in the same order, a rank that holds an
+empty shard included: it contributes zeros for what it does not hold.
+
+:class:`CrossShardOptimizer` and its subclasses are the per-shard math, one per
+optimizer class; ``sharders.cross_shard`` builds them for table shards and
+:mod:`overlap_optim.fsdp` for FSDP2's parameter shards.
+
+:data:`CROSS_SHARD` is a plain dict ``optimizer class -> implementation``.
+Classes from optional packages (pytorch-optimizer, came-pytorch) are added only
+when the user's code has imported that package; the core imports none of them.
+"""
+
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+import torch
+
+from overlap_optim.round import EndOfBackwardRound
+from overlap_optim.spec import AnnotationGroup, OptimizerSpec
+from overlap_optim.update import DenseTableOptimizer
+
+__all__ = ["CROSS_SHARD", "cross_shard_class", "Geometry", "CrossShardOptimizer", "sharded_state_layouts"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Where one local shard sits in its table, and the axis the table is split along
+    (0: row shards, each with every column; 1: column shards, each with every row)."""
+
+    table_shape: tuple[int, int]
+    offsets: tuple[int, int]
+    axis: int
+
+
+def sharded_state_layouts(spec: OptimizerSpec, axis: int) -> dict[str, str]:
+    """The state entries of a table split along ``axis`` (0: rows) that are sharded as its weight
+    is, ``name -> a layout of LAYOUTS``; the others (scalars, and the factors along the unsplit
+    axis, which every shard holds whole) are per-table values."""
+    layouts = {}
+    for name, entry in (spec.state or {}).items():
+        if entry.layout == "element":
+            layouts[name] = "element"
+        elif entry.layout == "row" and entry.tail in ((1,), ()) and axis == 0:
+            layouts[name] = "row" if entry.tail else "row_vector"
+        elif entry.layout == "column" and entry.tail in ((1,), ()) and axis == 1:
+            layouts[name] = "column" if entry.tail else "column_vector"
+    return layouts
+
+
+class CrossShardOptimizer(DenseTableOptimizer):
+    """A split table's layer-wise optimizer, one local shard of it (dense semantics).
+
+    Subclasses give the optimizer's math in two halves: :meth:`partials` (local,
+    in backward) and :meth:`complete` (with the summed statistics). State is kept
+    as :class:`DenseTableOptimizer` keeps it, under the reference optimizer's
+    names, so checkpoints see no difference.
+    """
+
+    @classmethod
+    def slot_size(cls, geometry: Geometry) -> int:
+        """Floats of whole-table statistics per step; the same on every rank."""
+        return 2
+
+    def __init__(self, weight, group: AnnotationGroup, name: str, geometry: Geometry, round_: EndOfBackwardRound) -> None:
+        super().__init__(weight, group, name)
+        self.geometry, self.round = geometry, round_
+        self._grad: torch.Tensor | None = None
+        # row_state: the entries sharded as the weight is; table_state: scalars, and the factor
+        # every shard holds whole.
+        self._row_keys = set(sharded_state_layouts(group.spec, geometry.axis))
+        self._check_settings()
+
+    @torch.no_grad()
+    def step(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """First half now; the round finishes it when backward ends."""
+        state = self.ready()
+        grads = grads.to(self.weight.dtype)
+        if self.group.spec.kwargs.get("maximize"):
+            grads = -grads
+        hypers = self.group.param_group
+        self.round.contribute(self.name, self.partials(ids, grads, state, hypers), self.complete)
+
+    def _make_placeholder(self) -> None:
+        """Zeros, no step taken."""
+        self._fresh_state(self._optimizer.state[self.weight])
+
+    def _check_settings(self) -> None:
+        """Refuse settings whose cross-shard form is not built, naming the table."""
+
+    def _fresh_state(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def partials(self, ids: torch.Tensor, grads: torch.Tensor, state: dict[str, Any], hypers: dict[str, Any]) -> torch.Tensor:
+        """Step the local state on the shard's gradient (``grads`` at the local rows ``ids``,
+        unique; zero elsewhere) and return this shard's part of the table's statistics.
+        :meth:`whole_gradient` makes the shard-sized gradient for math that needs it."""
+        raise NotImplementedError
+
+    def complete(self, stats: torch.Tensor) -> None:
+        """Finish the step with the whole table's statistics (this table's slot of the round, summed)."""
+        raise NotImplementedError
+
+    def _refuse(self, what: str) -> None:
+        raise ValueError(f"table {self.name!r}: {self.group.spec.name} with {what} has no cross-shard form yet; "
+                         "use table_wise or data_parallel for this table")
+
+
+class LambTable(CrossShardOptimizer):
+    """pytorch-optimizer's ``Lamb``: Adam moments, then the trust ratio ``||w|| / ||u||``."""
+
+    def _check_settings(self) -> None:
+        h, kwargs = self.group.param_group, self.group.spec.kwargs
+        for key in ("rectify", "adanorm", "pre_norm"):
+            if h.get(key) or kwargs.get(key):
+                self._refuse(f"{key}=True")
+
+    def _fresh_state(self, state):
+        state["exp_avg"] = torch.zeros_like(self.weight)
+        state["exp_avg_sq"] = torch.zeros_like(self.weight)
+        for name in ("weight_norm", "adam_norm", "trust_ratio"):
+            state[name] = self.weight.new_zeros(())
+        state["step"] = 0
+
+    def partials(self, ids, grads, state, h):
+        grad = self.whole_gradient(ids, grads)
+        if "exp_avg" not in state:
+            self._fresh_state(state)
+        state["step"] += 1
+        beta1, beta2 = h["betas"]
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1 if h["grad_averaging"] else 1.0)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        if h["weight_decay"] != 0 and h["weight_decouple"]:
+            self.weight.mul_(1.0 - h["weight_decay"] * (1.0 if h["fixed_decay"] else h["lr"]))
+        update = exp_avg_sq.sqrt().add_(h["eps"])
+        torch.div(exp_avg, update, out=update)
+        if not h["weight_decouple"] and h["weight_decay"] > 0:
+            update.add_(self.weight, alpha=h["weight_decay"])
+        self._grad = update
+        return torch.stack([self.weight.square().sum(), update.square().sum()]).double()
+
+    def complete(self, stats):
+        h, state = self.group.param_group, self._optimizer.state[self.weight]
+        weight_norm = stats[0].sqrt().clamp(min=0, max=10.0).to(self.weight.dtype)  # Lamb.clamp
+        update_norm = stats[1].sqrt().to(self.weight.dtype)
+        trust = torch.ones_like(weight_norm) if weight_norm == 0 or update_norm == 0 else weight_norm / (
+            update_norm + h["eps"])
+        state["weight_norm"], state["adam_norm"], state["trust_ratio"] = weight_norm, update_norm, trust
+        if h["adam"]:
+            trust = 1.0
+        beta1 = h["betas"][0]
+        step_size = h["lr"] if h.get("adam_debias") else h["lr"] / (1.0 - beta1 ** state["step"])
+        self.weight.add_(self._grad, alpha=-step_size * float(trust))
+        self._grad = None
+
+
+class AdafactorTable(CrossShardOptimizer):
+    """``torch.optim.Adafactor`` on a 2-D table: factored second moments, the RMS of the weight
+    and of the update.
+
+    The row factor ``row_var`` (R, 1) and the column factor ``col_var`` (1, C) are kept
+    where they are whole: on row shards, ``row_var`` holds the shard's rows and every rank
+    holds all of ``col_var``; on column shards, the reverse. One round carries ``||w||^2``,
+    the partial sums of ``g^2`` along the split axis, ``sum(row_var)`` and the partial sums
+    of ``g^2 / row_var`` (or ``/ col_var``), from which the update's RMS follows without a
+    second round: with ``M = max(mean(row_var), eps1)``, ``||u||^2 = M * sum_j A_j / col_var_j``,
+    ``A_j = sum_i g_ij^2 / row_var_i`` (row shards; the transpose on column shards). That
+    identity needs Adafactor's variance floor ``eps1**2`` not to bind on an element with a
+    nonzero gradient; when it does, the next step raises on every rank, naming the table.
+
+    Apart from the weight's norm and its weight decay, the step costs the touched rows, not
+    the shard: an untouched row's gradient is zero, so it adds nothing to the sums and its
+    update is zero (on column shards every row is local, and the same holds per row).
+    """
+
+    @classmethod
+    def slot_size(cls, geometry):
+        rows, cols = geometry.table_shape
+        return 3 + 2 * (cols if geometry.axis == 0 else rows)
+
+    def _check_settings(self):
+        self._floor_bound = False
+        self._touched: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, grads) between the halves
+
+    def _fresh_state(self, state):
+        (rows, cols), local = self.geometry.table_shape, self.weight.shape
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["row_var"] = self.weight.new_zeros(local[0] if self.geometry.axis == 0 else rows, 1)
+        state["col_var"] = self.weight.new_zeros(1, local[1] if self.geometry.axis == 1 else cols)
+
+    def partials(self, ids, grads, state, h):
+        # Untouched rows have a zero gradient: they add nothing to the sums, their factor
+        # entries decay, and their update is zero. Only the weight's norm and the weight
+        # decay pass over the whole shard; the rest follows the touched rows.
+        if "row_var" not in state:
+            self._fresh_state(state)
+        state["step"] += 1
+        beta = float(state["step"]) ** h["beta2_decay"]
+        rows, cols = self.geometry.table_shape
+        square = grads * grads
+        weight_sq = torch.linalg.vector_norm(self.weight, dtype=torch.float64).square()  # before weight decay
+        if h["weight_decay"] != 0:
+            self.weight.mul_(1 - h["lr"] * h["weight_decay"])
+        self._touched = ids, grads
+        flag = torch.tensor(float(self._floor_bound), dtype=torch.float64)
+        if self.geometry.axis == 0:  # whole rows here: the row factor is local
+            row_var = state["row_var"]
+            row_var.lerp_(torch.zeros_like(row_var).index_copy_(0, ids, square.sum(1, keepdim=True) / cols), beta)
+            touched = row_var.index_select(0, ids)
+            a = torch.where(touched > 0, square / touched, 0).sum(0)
+            return torch.cat([weight_sq[None], row_var.double().sum()[None], flag[None],
+                              square.sum(0).double(), a.double()])
+        state["col_var"].lerp_(square.sum(0, keepdim=True) / rows, beta)
+        col_var = state["col_var"]
+        per_row = weight_sq.new_zeros(2, rows)  # sum_j g_ij^2 and sum_j g_ij^2 / col_var_j, zero where untouched
+        per_row[0].index_copy_(0, ids, square.sum(1).double())
+        per_row[1].index_copy_(0, ids, torch.where(col_var > 0, square / col_var, 0).sum(1).double())
+        return torch.cat([weight_sq[None], torch.zeros(1, dtype=torch.float64), flag[None], per_row.flatten()])
+
+    def complete(self, stats):
+        h, state = self.group.param_group, self._optimizer.state[self.weight]
+        if stats[2] > 0:
+            raise ValueError(
+                f"table {self.name!r}: at the last step Adafactor's variance floor eps1**2 bound an element "
+                "with a nonzero gradient on some shard, where the cross-shard RMS of the update is not exact; "
+                "use table_wise or data_parallel for this table, or a smaller eps[0]"
+            )
+        rows, cols = self.geometry.table_shape
+        eps1 = h["eps"][0] if h["eps"][0] is not None else torch.finfo(self.weight.dtype).eps
+        beta = float(state["step"]) ** h["beta2_decay"]
+        n = (stats.numel() - 3) // 2
+        summed, over = stats[3 : 3 + n], stats[3 + n :]
+        if self.geometry.axis == 0:
+            state["col_var"].lerp_((summed / rows).to(self.weight.dtype)[None, :], beta)
+            mean_row = float(stats[1]) / rows
+            other = state["col_var"][0].double()
+        else:
+            state["row_var"].lerp_((summed / cols).to(self.weight.dtype)[:, None], beta)
+            mean_row = float(state["row_var"].double().mean())
+            other = state["row_var"][:, 0].double()
+        floor = max(mean_row, eps1)
+        ids, grads = self._touched
+        estimate = (state["row_var"].index_select(0, ids) @ state["col_var"]).div_(floor)
+        self._floor_bound = bool(((estimate < eps1 * eps1) & (grads != 0)).any())
+        update = estimate.clamp_(min=eps1 * eps1).rsqrt_().mul_(grads)
+        update_sq = floor * float(torch.where(other > 0, over / other, 0).sum())
+        denom = max(1.0, update_sq**0.5 / ((rows * cols) ** 0.5 * h["d"]))
+        step = float(state["step"])
+        alpha = max(h["eps"][1], float(stats[0]) ** 0.5 / (rows * cols) ** 0.5) * min(h["lr"], 1 / step**0.5)
+        self.weight.index_add_(0, ids, update, alpha=-alpha / denom)
+        self._touched = None
+
+
+class CameTable(CrossShardOptimizer):
+    """came-pytorch's ``CAME``: Adafactor's factored second moment, then a factored confidence
+    (the residual ``(u - m)^2``) that scales the momentum.
+
+    The residual's means along the split axis need the update, which needs the round's
+    statistics: a second round, unless expanded. With ``u = k * s * h`` (``k`` the clipping
+    factor, ``s`` the reduced factor of the unsplit... split axis, ``h = g / sqrt(local factor)``)
+    and ``u - m_new = beta1 (u - m_old)``, the sum of the residual along the split axis is
+    ``beta1^2 (k^2 s^2 sum h^2 - 2 k s sum h m_old + sum m_old^2)`` plus the eps terms: three
+    partial sums per column (row shards) or per row (column shards), in the same round.
+    """
+
+    @classmethod
+    def slot_size(cls, geometry):
+        rows, cols = geometry.table_shape
+        return 3 + 4 * cols if geometry.axis == 0 else 1 + 4 * rows
+
+    def _fresh_state(self, state):
+        (rows, cols), (local_rows, local_cols) = self.geometry.table_shape, self.weight.shape
+        own_rows = local_rows if self.geometry.axis == 0 else rows
+        own_cols = local_cols if self.geometry.axis == 1 else cols
+        state["step"] = 0
+        state["exp_avg"] = torch.zeros_like(self.weight)
+        state["exp_avg_sq_row"] = self.weight.new_zeros(own_rows)
+        state["exp_avg_sq_col"] = self.weight.new_zeros(own_cols)
+        state["exp_avg_res_row"] = self.weight.new_zeros(own_rows)
+        state["exp_avg_res_col"] = self.weight.new_zeros(own_cols)
+        state["RMS"] = self.weight.new_zeros(())
+
+    def partials(self, ids, grads, state, h):
+        grad = self.whole_gradient(ids, grads)
+        if "exp_avg" not in state:
+            self._fresh_state(state)
+        state["step"] += 1
+        beta2, (eps1, _) = h["betas"][1], h["eps"]
+        square = grad * grad
+        sq = square + eps1
+        weight_sq = torch.linalg.vector_norm(self.weight, dtype=torch.float64).square()[None]
+        m_old = state["exp_avg"].double()
+        self._grad = grad
+        if self.geometry.axis == 0:  # whole rows here: the row factor is local
+            row = state["exp_avg_sq_row"]
+            row.mul_(beta2).add_(sq.mean(dim=-1), alpha=1.0 - beta2)
+            h_ = grad.double() / row.double().sqrt()[:, None]
+            return torch.cat([weight_sq, row.double().sum()[None], state["exp_avg_res_row"].double().sum()[None],
+                              sq.double().sum(0), (h_ * h_).sum(0), (h_ * m_old).sum(0), (m_old * m_old).sum(0)])
+        col = state["exp_avg_sq_col"]
+        col.mul_(beta2).add_(sq.mean(dim=-2), alpha=1.0 - beta2)
+        k = grad.double() / col.double().sqrt()[None, :]
+        return torch.cat([weight_sq, sq.double().sum(1), (k * k).sum(1), (k * m_old).sum(1), (m_old * m_old).sum(1)])
+
+    def complete(self, stats):
+        h, state = self.group.param_group, self._optimizer.state[self.weight]
+        (beta1, beta2, beta3), (_, eps2) = h["betas"], h["eps"]
+        rows, cols = self.geometry.table_shape
+        state["RMS"] = (stats[0] / (rows * cols)).sqrt().to(self.weight.dtype)
+        row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+        if self.geometry.axis == 0:
+            summed, h2, hm, m2 = stats[3:].view(4, cols)
+            col.mul_(beta2).add_((summed / rows).to(col.dtype), alpha=1.0 - beta2)
+            mean_row = float(stats[1]) / rows
+            factor = (mean_row / col.double()).sqrt()  # s_j: per column
+        else:
+            summed, h2, hm, m2 = stats[1:].view(4, rows)
+            row.mul_(beta2).add_((summed / cols).to(row.dtype), alpha=1.0 - beta2)
+            mean_row = float(row.double().mean())
+            factor = (mean_row / row.double()).sqrt()  # t_i: per row
+        update_sq = float((factor * factor * h2).sum())
+        clip = 1.0 / max((update_sq / (rows * cols)) ** 0.5 / h["clip_threshold"], 1.0)
+        update = ((row / mean_row).rsqrt_()[:, None] * col.rsqrt()[None, :]).mul_(self._grad).mul_(clip)
+        exp_avg = state["exp_avg"]
+        exp_avg.mul_(beta1).add_(update, alpha=1 - beta1)
+        res = (update - exp_avg) ** 2 + eps2
+        res_row, res_col = state["exp_avg_res_row"], state["exp_avg_res_col"]
+        across = beta1**2 * (clip * clip * factor * factor * h2 - 2 * clip * factor * hm + m2)  # along the split axis
+        if self.geometry.axis == 0:
+            old_row_sum = float(stats[2])
+            res_row.mul_(beta3).add_(res.mean(dim=-1), alpha=1.0 - beta3)
+            res_col.mul_(beta3).add_((across / rows + eps2).to(res_col.dtype), alpha=1.0 - beta3)
+            mean_res_row = (beta3 * old_row_sum + (1.0 - beta3) * float((across + rows * eps2).sum()) / cols) / rows
+        else:
+            res_col.mul_(beta3).add_(res.mean(dim=-2), alpha=1.0 - beta3)
+            res_row.mul_(beta3).add_((across / cols + eps2).to(res_row.dtype), alpha=1.0 - beta3)
+            mean_res_row = float(res_row.double().mean())
+        step = (res_row / mean_res_row).rsqrt_()[:, None] * res_col.rsqrt()[None, :] * exp_avg
+        if h["weight_decay"] != 0:
+            self.weight.add_(self.weight, alpha=-h["weight_decay"] * h["lr"])
+        self.weight.add_(-(step * h["lr"]))
+        self._grad = None
+
+
+class LarsTable(CrossShardOptimizer):
+    """pytorch-optimizer's ``LARS``: the trust ratio ``c ||w|| / (||g|| + wd ||w||)``, then momentum."""
+
+    def _fresh_state(self, state):
+        if self.group.param_group["momentum"] > 0:
+            state["momentum_buffer"] = torch.zeros_like(self.weight)
+        state["step"] = 0
+
+    def partials(self, ids, grads, state, h):
+        grad = self.whole_gradient(ids, grads)
+        if not state:
+            self._fresh_state(state)
+        state["step"] += 1
+        self._grad = grad
+        return torch.stack([self.weight.square().sum(), grad.square().sum()]).double()
+
+    def complete(self, stats):
+        h, state = self.group.param_group, self._optimizer.state[self.weight]
+        param_norm, update_norm = stats[0].sqrt().float(), stats[1].sqrt().float()
+        denominator = update_norm + h["weight_decay"] * param_norm
+        trust = h["trust_coefficient"] * param_norm / denominator if param_norm > 0 and denominator > 0 else 1.0
+        grad = self._grad.add(self.weight, alpha=h["weight_decay"]).mul_(trust)
+        if h["momentum"] > 0:
+            buffer = state["momentum_buffer"]
+            buffer.mul_(h["momentum"]).add_(grad, alpha=1.0 - h["dampening"])
+            grad = grad.add_(buffer, alpha=h["momentum"]) if h["nesterov"] else buffer.clone()
+        self.weight.add_(grad, alpha=-h["lr"])
+        self._grad = None
+
+
+# optimizer class -> its cross-shard implementation. Optional packages join once imported.
+CROSS_SHARD: dict[type, type[CrossShardOptimizer]] = {torch.optim.Adafactor: AdafactorTable}
+_OPTIONAL = {
+    ("pytorch_optimizer", "Lamb"): LambTable,
+    ("pytorch_optimizer", "LARS"): LarsTable,
+    ("came_pytorch", "CAME"): CameTable,
+}
+
+
+def cross_shard_class(optimizer_class: type) -> type[CrossShardOptimizer] | None:
+    """The implementation for ``optimizer_class``, or None: it stays refused on split tables."""
+    for (package, name), implementation in _OPTIONAL.items():
+        module = sys.modules.get(package)
+        if module is not None and getattr(module, name, None) not in (None, *CROSS_SHARD):
+            CROSS_SHARD[getattr(module, name)] = implementation
+    return CROSS_SHARD.get(optimizer_class)
+
+
