@@ -13,8 +13,10 @@ virtual group, as a DDP bucket's.
 An optimizer steps a shard exactly as it would step those rows of the whole
 parameter only if it is separable along dim 0 (``OptimizerSpec.row_separable``;
 element-wise along a 1-D parameter). Layer-wise optimizers (Adafactor, LAMB,
-LARS, CAME) and Muon are not: they are refused, naming the parameter, until
-their cross-shard form is built for FSDP shards.
+LARS, CAME) are not; on 2-D parameters they step across FSDP's shards with the
+core's cross-shard form (:mod:`overlap_optim.cross_shard`, :class:`CrossShardStep`):
+one all-reduce of whole-tensor statistics per step for all of them. Muon, and
+layer-wise optimizers on other shapes, are refused, naming the parameter.
 
 Calling torch's own ``fully_shard`` on annotated parameters would leave them
 untrained with no error; :func:`refuse_lost_annotations` (run by
@@ -23,19 +25,27 @@ untrained with no error; :func:`refuse_lost_annotations` (run by
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
 
 from overlap_optim import _private
 from overlap_optim.accumulation import accumulating
 from overlap_optim.annotation import annotated_parameters, record_annotations, reattach_annotations, replace_step_hook
-from overlap_optim.update import step_params
+from overlap_optim.cross_shard import CrossShardOptimizer, Geometry, cross_shard_class, sharded_state_layouts
+from overlap_optim.round import EndOfBackwardRound
+from overlap_optim.update import live_optimizer, step_params
+from overlap_optim.virtual_groups import LocalState
 
-__all__ = ["fully_shard", "refuse_lost_annotations", "GroupStep"]
+__all__ = ["fully_shard", "refuse_lost_annotations", "refuse_cross_shard_state", "GroupStep", "CrossShardStep"]
+
+# On a parameter whose layer-wise optimizer steps across FSDP shards: its CrossShardStep.
+_CROSS_SHARD = "_overlap_fsdp_cross_shard"
 
 def fully_shard(module: nn.Module, *, mesh: Any = None, **kwargs: Any) -> nn.Module:
     """torch's ``fully_shard`` on every submodule of ``module`` that directly owns
@@ -73,14 +83,73 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, **kwargs: Any) -> nn.Mod
         torch_fully_shard(sub, mesh=mesh, **kwargs)
     torch_fully_shard(module, mesh=mesh, **kwargs)
     reattach_annotations(module, recorded)
+    _install_cross_shard(module, set(recorded))
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
-            annotated = [p for p in _managed(sub) if getattr(p, "_overlap_group", None) is not None]
+            annotated = [p for p in _managed(sub) if getattr(p, "_overlap_group", None) is not None
+                         and _CROSS_SHARD not in p.__dict__]
             if annotated:
                 group_step = GroupStep(annotated)
                 for param in annotated:
                     replace_step_hook(param, group_step)
     return module
+
+
+class CrossShardStep:
+    """The post-accumulate-grad hook of a parameter whose layer-wise optimizer steps across FSDP's
+    dim-0 shards (:mod:`overlap_optim.cross_shard`): right after the reduce-scatter, the first half
+    of the update on this rank's rows and its partial sums into the module's round; the round's one
+    all-reduce at the end of backward, then the second half. The state is the parameter's live
+    optimizer's, its row-sharded entries DTensors."""
+
+    def __init__(self, param: DTensor, name: str, round_: EndOfBackwardRound) -> None:
+        group = param._overlap_group
+        implementation = cross_shard_class(group.optimizer_class)
+        mesh = param.device_mesh
+        rows, local = param.shape[0], param.to_local().detach()  # the shard's own storage
+        chunk = -(-rows // mesh.size())  # FSDP2 shards dim 0 as torch.chunk does
+        offset = min(mesh.get_local_rank() * chunk, rows)
+        assert local.shape[0] == max(0, min(chunk, rows - offset)), (name, local.shape, rows, chunk)
+        geometry = Geometry(tuple(param.shape), (offset, 0), 0)
+        round_.register(name, implementation.slot_size(geometry))
+        self.round, self.param = round_, param
+        self.shard: CrossShardOptimizer = implementation(local, group, name, geometry, round_)
+        sharded = set(sharded_state_layouts(group.spec, 0))
+        self.shard._optimizer.state[local] = LocalState(live_optimizer(param).state[param], param, sharded)
+
+    def __call__(self, param: torch.Tensor) -> None:
+        if accumulating(param):
+            return
+        grad = param.grad.to_local()
+        self.shard.step(torch.arange(grad.shape[0], device=grad.device), grad)
+        self.round.arm()
+        param.grad = None
+
+
+def refuse_cross_shard_state(params: Mapping[str, torch.Tensor], what: str) -> None:
+    """Raise for ``what`` (saving or loading optimizer state) if some of ``params`` step across FSDP
+    shards: their checkpoints are not built yet."""
+    names = sorted(name for name, param in params.items() if _CROSS_SHARD in param.__dict__)
+    if names:
+        raise NotImplementedError(
+            f"{what}: {names} step a layer-wise optimizer across FSDP shards, whose checkpoints are not built "
+            "yet (training is); keep these layers under DDP (sharders.DataParallelWrapper) to checkpoint them"
+        )
+
+
+def _install_cross_shard(module: nn.Module, names: set[str]) -> None:
+    """Give each annotated parameter (of ``names``) whose optimizer needs whole-tensor statistics a
+    :class:`CrossShardStep`; all of them share one round: one all-reduce per step."""
+    round_ = None
+    for name, param in module.named_parameters():
+        group = getattr(param, "_overlap_group", None)
+        if name not in names or group is None or _elementwise_on_dim0(group.spec, param, False):
+            continue
+        if round_ is None:
+            round_ = EndOfBackwardRound(param.device_mesh.get_group())
+        step = CrossShardStep(param, name, round_)
+        param.__dict__[_CROSS_SHARD] = step
+        replace_step_hook(param, step)
 
 
 class GroupStep:
@@ -174,14 +243,21 @@ def _check_parameters(recorded: dict, custom_placement: bool) -> None:
                 f"parameter {name!r} is in a gradient clipping set: clipping across FSDP shards is not built "
                 "yet; clip the dense part under DDP (sharders.DataParallelWrapper) instead"
             )
-        if group is None:
+        if group is None or _elementwise_on_dim0(group.spec, param, custom_placement):
             continue
         spec = group.spec
-        elementwise = spec.row_separable and spec.column_separable
-        if not (elementwise or (spec.row_separable and param.dim() >= 2 and not custom_placement)):
+        if cross_shard_class(spec.optimizer_class) is None or param.dim() != 2 or custom_placement:
+            why = ("a 2-D parameter sharded on dim 0 only" if cross_shard_class(spec.optimizer_class) is not None
+                   else "no cross-shard form (a whole-matrix optimizer such as Muon needs the whole matrix)")
             raise ValueError(
                 f"parameter {name!r} (shape {tuple(param.shape)}) is annotated with {spec.name}, which does not "
-                "step a shard as it steps those rows of the whole parameter (a layer-wise or whole-matrix "
-                "optimizer); its cross-shard form under FSDP is not built yet. Keep this module out of "
-                "fully_shard (DDP), or annotate it with an element-wise optimizer"
+                "step a shard as it steps those rows of the whole parameter; under FSDP it steps across shards "
+                f"on {why}. Keep this module out of fully_shard (DDP), or annotate it with an element-wise "
+                "optimizer"
             )
+
+
+def _elementwise_on_dim0(spec: Any, param: torch.Tensor, custom_placement: bool) -> bool:
+    """Whether ``spec`` steps a dim-0 shard of ``param`` as it steps those rows of the whole."""
+    return (spec.row_separable and spec.column_separable) or (
+        spec.row_separable and param.dim() >= 2 and not custom_placement)

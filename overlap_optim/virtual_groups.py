@@ -40,7 +40,7 @@ from overlap_optim._private import foreach
 from overlap_optim.fused import fused_step
 from overlap_optim.spec import OptimizerSpec
 
-__all__ = ["virtual_key", "multi_tensor_step", "MULTI_TENSOR"]
+__all__ = ["virtual_key", "multi_tensor_step", "MULTI_TENSOR", "LocalState"]
 
 VirtualKey = tuple[Any, ...]
 _OPT_OUT = ("foreach", "fused", "capturable", "differentiable")
@@ -69,7 +69,7 @@ def multi_tensor_step(
     if not params:
         return
     if isinstance(params[0], DTensor):  # a virtual group's tensors agree in type
-        states = [_LocalState(state, param) for state, param in zip(states, params)]
+        states = [LocalState(state, param) for state, param in zip(states, params)]
         params, grads = [p.to_local() for p in params], [g.to_local() for g in grads]
     fixed = spec.fixed
     with torch.no_grad():
@@ -80,24 +80,37 @@ def multi_tensor_step(
         MULTI_TENSOR[spec.optimizer_class](params, grads, states, hypers, fixed)
 
 
-class _LocalState(MutableMapping):
+class LocalState(MutableMapping):
     """A DTensor parameter's ``torch.optim`` state seen on its local shard: a DTensor entry reads as
-    its local tensor (the same storage), and a new entry shaped as the local shard is stored as a
-    DTensor placed as the parameter is; scalars (the step counter) pass as they are."""
+    its local tensor (the same storage), and a new entry that is sharded as the parameter is gets
+    stored as a DTensor placed as the parameter is; others (the step counter, a factor that every
+    shard holds whole) pass as they are.
 
-    def __init__(self, state: dict[str, Any], param: DTensor) -> None:
-        self.state, self.param = state, param
+    Args:
+        state: the parameter's state dict in its live optimizer.
+        param: the DTensor parameter (sharded along dim 0).
+        sharded: the names of the entries sharded along dim 0 (an element-wise moment, a row
+            factor); None: every entry shaped as the local shard.
+    """
+
+    def __init__(self, state: dict[str, Any], param: DTensor, sharded: set[str] | None = None) -> None:
+        self.state, self.param, self.sharded = state, param, sharded
 
     def __getitem__(self, key: str) -> Any:
         value = self.state[key]
         return value.to_local() if isinstance(value, DTensor) else value
 
     def __setitem__(self, key: str, value: Any) -> None:
-        local = self.param.to_local()
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == local.shape:
-            value = DTensor.from_local(value, self.param.device_mesh, self.param.placements, run_check=False,
-                                       shape=self.param.shape, stride=self.param.stride())
-        self.state[key] = value
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            self.state[key] = value
+            return
+        if self.sharded is None and value.shape != self.param.to_local().shape or (
+                self.sharded is not None and key not in self.sharded):
+            self.state[key] = value
+            return
+        shape = (self.param.shape[0], *value.shape[1:])
+        self.state[key] = DTensor.from_local(value, self.param.device_mesh, self.param.placements, run_check=False,
+                                             shape=shape, stride=torch.empty(shape, device="meta").stride())
 
     def __delitem__(self, key: str) -> None:
         del self.state[key]

@@ -271,3 +271,45 @@ def dmp_with_fsdp(rank, world_size, steps=3):
         "dense_types": sorted({type(p).__name__ for n, p in dmp.named_parameters() if ".dense." in f".{n}"}),
         "moved": {n: (p.detach() - start[n]).abs().max().item() for n, p in reference.named_parameters()},
     }
+
+
+def layerwise(rank, world_size, name, steps=4, statistics=True):
+    """The weights with a layer-wise optimizer (tests/_layerwise_bodies.LAYERWISE), the biases Adam, each
+    step against the package on one process; the all-reduces of one backward; with ``statistics`` off
+    (a mutation: each shard keeps its own sums), the same differences, which must then be large."""
+    import torch.distributed as dist
+    from _layerwise_bodies import LAYERWISE
+
+    cls, kwargs = LAYERWISE[name]
+    model, reference, ref_opts = mlp(), None, []
+    reference = copy.deepcopy(model)
+    overlap_optim.apply_optimizer_in_backward(cls, [m.weight for m in _linears(model)], kwargs)
+    overlap_optim.apply_optimizer_in_backward(BIASES[0], [m.bias for m in _linears(model)], BIASES[1])
+    ref_opts = [cls([m.weight for m in _linears(reference)], **kwargs),
+                BIASES[0]([m.bias for m in _linears(reference)], **BIASES[1])]
+    start = [p.detach().clone() for p in reference.parameters()]
+    overlap_optim.fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    if not statistics:
+        for param in model.parameters():
+            step = param.__dict__.get("_overlap_fsdp_cross_shard")
+            if step is not None:
+                step.round.local = True
+    reduces, original = [], dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        reduces.append(tensor.numel())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        diffs = train(model, reference, ref_opts, rank, world_size, steps)
+    finally:
+        dist.all_reduce = original
+    refused = ""
+    try:
+        overlap_optim.get_optimizers(model).state_dict()
+    except NotImplementedError as error:
+        refused = str(error)
+    return {"diffs": diffs, "all_reduces_per_step": len(reduces) / steps, "floats": sorted(set(reduces)),
+            "moved": min((p.detach() - s).abs().max().item() for p, s in zip(reference.parameters(), start)),
+            "refused": refused}

@@ -16,13 +16,16 @@ from torch import nn
 import overlap_optim
 from overlap_optim.testing import run_cases, selected_cases
 from _fsdp_bodies import (
-    CHECKPOINTED, _batch, _loss, accumulated, checkpoint_to_ddp, dmp_with_fsdp, grouped, parity, reference_after, scheduled,
+    CHECKPOINTED, _batch, _loss, accumulated, checkpoint_to_ddp, dmp_with_fsdp, grouped, layerwise, parity, reference_after, scheduled,
     sharded_pair, torch_fully_shard, unused,
 )
 from test_parity_single_process import CASES
 
 PARITY = {f"parity/{name}": partial(parity, weights=(cls, kwargs)) for name, cls, kwargs in CASES}
-RANK_CASES = {**PARITY, "grouped": grouped, "unused": unused, "dmp": dmp_with_fsdp, "scheduled": scheduled, "accumulated": accumulated, "torch_fully_shard": torch_fully_shard}
+LAYERWISE = {f"layerwise/{name}": partial(layerwise, name=name) for name in ("adafactor", "came", "lamb", "lars")}
+RANK_CASES = {**PARITY, **LAYERWISE, "layerwise/adafactor/no_statistics": partial(layerwise, name="adafactor",
+                                                                                  statistics=False),
+              "grouped": grouped, "unused": unused, "dmp": dmp_with_fsdp, "scheduled": scheduled, "accumulated": accumulated, "torch_fully_shard": torch_fully_shard}
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +46,23 @@ def test_each_shard_steps_in_backward_exactly_as_torch_optim_on_the_whole(ranks,
         assert out["moved"] > 1e-3, out  # the reference moved every parameter
         assert out["grads_left"] == [], out  # each gradient released after its step
     assert [r["local_rows"] for r in ranks[case]] == [[3, 3, 2, 2, 1, 1], [2, 2, 1, 1, 0, 0]]
+
+
+@pytest.mark.parametrize("case", LAYERWISE)
+def test_layerwise_optimizers_step_across_fsdp_shards_exactly(ranks, case):
+    for out in ranks[case]:
+        assert max(out["diffs"]) < 1e-5, out["diffs"]
+        assert out["moved"] > 1e-4, out
+        assert out["all_reduces_per_step"] == 1, out  # one round for the 3 weights
+        assert "not built yet" in out["refused"] and "0.weight" in out["refused"], out
+
+
+@pytest.mark.parametrize("case", ["layerwise/adafactor/no_statistics"])
+def test_without_the_cross_shard_statistics_adafactor_is_wrong(ranks, case):
+    """The mutation the parity test must catch: each shard on its own sums."""
+    for out in ranks[case]:
+        assert out["all_reduces_per_step"] == 0, out
+    assert max(max(out["diffs"]) for out in ranks[case]) > 1e-4, [out["diffs"] for out in ranks[case]]
 
 
 @pytest.mark.parametrize("case", ["grouped"])
@@ -123,9 +143,16 @@ def _annotated(cls=torch.optim.Adam, kwargs=None):
     return model
 
 
-def test_a_layerwise_optimizer_is_refused_naming_the_parameter():
-    with pytest.raises(ValueError, match=r"parameter '0.weight' \(shape \(5, 6\)\) is annotated with Adafactor"):
+def test_a_layerwise_optimizer_on_a_vector_is_refused_naming_the_parameter():
+    with pytest.raises(ValueError, match=r"parameter '0.bias' \(shape \(5,\)\) is annotated with Adafactor.*2-D"):
         overlap_optim.fully_shard(_annotated(torch.optim.Adafactor))
+
+
+def test_muon_is_refused_naming_the_parameter():
+    with pytest.raises(ValueError, match=r"parameter '0.weight' \(shape \(5, 6\)\) is annotated with Muon.*whole"):
+        model = nn.Sequential(nn.Linear(6, 5, bias=False))
+        overlap_optim.apply_optimizer_in_backward(torch.optim.Muon, model.parameters(), {"lr": 0.05})
+        overlap_optim.fully_shard(model)
 
 
 def test_cpu_offload_is_refused():
