@@ -16,9 +16,9 @@ update of a clipped parameter uses the clipped gradient:
   every held gradient is multiplied by ``min(1, max_norm / (norm + 1e-6))``,
   as ``clip_grad_norm_`` does, and then its update runs.
 
-The norm is global: each shard of a sharded table adds its own rows (or
-columns), and a gradient every rank holds alike (averaged by DDP) is added by
-rank 0 only. Parameters of the set with no annotation are clipped too, at the
+The norm is global: each shard of a sharded table or of an FSDP2 parameter adds
+its own rows (or columns), and a gradient every rank holds alike (averaged by
+DDP) is added by rank 0 only. Parameters of the set with no annotation are clipped too, at the
 end of backward, for the user's own optimizer to read.
 
 What a set holds until the end of backward with ``max_norm``: the gradients of
@@ -207,6 +207,9 @@ class GradientClipping:
         for param in self.params:
             if param.grad is None or getattr(param, "_overlap_group", None) is not None:
                 continue
+            if _is_shard(param.grad):  # FSDP2: this rank's rows of the reduced gradient, its own
+                grads.append(param.grad.to_local())
+                continue
             if not self.local and id(param) not in self._replicated and _world() > 1:
                 raise ValueError(
                     f"gradient clipping: a parameter of shape {tuple(param.shape)} with no annotation is in the "
@@ -286,6 +289,13 @@ def _nothing() -> None:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _is_shard(grad: torch.Tensor) -> bool:
+    """A DTensor gradient sharded across ranks (FSDP2's), whose local part is this rank's own."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return isinstance(grad, DTensor) and any(isinstance(p, Shard) for p in grad.placements)
 
 
 def _world() -> int:

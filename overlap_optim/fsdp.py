@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from overlap_optim import _private
 from overlap_optim.accumulation import accumulating
 from overlap_optim.annotation import annotated_parameters, record_annotations, reattach_annotations, replace_step_hook
+from overlap_optim.clipping import clipping_of
 from overlap_optim.cross_shard import CrossShardOptimizer, Geometry, cross_shard_class, sharded_state_layouts
 from overlap_optim.round import EndOfBackwardRound
 from overlap_optim.update import live_optimizer, step_params
@@ -121,6 +122,14 @@ class CrossShardStep:
         if accumulating(param):
             return
         grad = param.grad.to_local()
+        clip = clipping_of(param)
+        if clip is None:
+            self._first_half(param, grad)
+            return
+        clip.arm()
+        clip.clip([grad], lambda: self._first_half(param, grad))
+
+    def _first_half(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         self.shard.step(torch.arange(grad.shape[0], device=grad.device), grad)
         self.round.arm()
         param.grad = None
@@ -160,20 +169,29 @@ class GroupStep:
     none) and have not stepped yet step when backward ends. Inside ``no_step``, nothing."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
-        self.expected = len(params)
+        self.params = len(params)
+        self.expected = self.params  # in this backward: less the clipped ones seen
         self.ready: list[torch.Tensor] = []
 
     def __call__(self, param: torch.Tensor) -> None:
         if accumulating(param):
             return
-        if not self.ready:
-            _private.queue_end_of_backward(self.flush)
-        self.ready.append(param)
-        if len(self.ready) == self.expected:
+        clip = clipping_of(param)
+        if clip is not None:  # it steps once its set has clipped it: alone, maybe at the end of backward
+            self.expected -= 1
+            clip.arm()
+            clip.clip([param.grad.to_local()], lambda: step_params([param]))
+        else:
+            if not self.ready:
+                _private.queue_end_of_backward(self.flush)
+            self.ready.append(param)
+        if self.ready and len(self.ready) == self.expected:
             self.flush()
+        elif not self.ready and self.expected == 0:  # every parameter of the group is clipped
+            self.expected = self.params
 
     def flush(self) -> None:
-        ready, self.ready = self.ready, []
+        ready, self.ready, self.expected = self.ready, [], self.params
         if ready:
             step_params(ready)
 
@@ -238,11 +256,6 @@ def _check_settings(kwargs: dict[str, Any], recorded: dict) -> None:
 
 def _check_parameters(recorded: dict, custom_placement: bool) -> None:
     for name, (param, group, clip) in recorded.items():
-        if clip is not None:
-            raise ValueError(
-                f"parameter {name!r} is in a gradient clipping set: clipping across FSDP shards is not built "
-                "yet; clip the dense part under DDP (sharders.DataParallelWrapper) instead"
-            )
         if group is None or _elementwise_on_dim0(group.spec, param, custom_placement):
             continue
         spec = group.spec

@@ -55,9 +55,10 @@ def sharded_pair(weights: tuple, seed: int = 0):
     return model, reference, ref_opts
 
 
-def train(model, reference, ref_opts, rank, world_size, steps, before_step=None):
+def train(model, reference, ref_opts, rank, world_size, steps, before_step=None, ref_clip=None):
     """Each step: ours on this rank's part of the batch, the reference on the whole batch and
-    ``torch.optim``; the largest difference of any parameter after each step."""
+    ``torch.optim`` (after ``ref_clip()``, if given); the largest difference of any parameter after
+    each step."""
     diffs = []
     for step in range(steps):
         if before_step is not None:
@@ -65,6 +66,8 @@ def train(model, reference, ref_opts, rank, world_size, steps, before_step=None)
         x, y = _batch(step, world_size)
         _loss(model, x[rank * BATCH : (rank + 1) * BATCH], y[rank * BATCH : (rank + 1) * BATCH]).backward()
         _loss(reference, x, y).backward()
+        if ref_clip is not None:
+            ref_clip()
         for opt in ref_opts:
             opt.step()
             opt.zero_grad()
@@ -313,3 +316,33 @@ def layerwise(rank, world_size, name, steps=4, statistics=True):
     return {"diffs": diffs, "all_reduces_per_step": len(reduces) / steps, "floats": sorted(set(reduces)),
             "moved": min((p.detach() - s).abs().max().item() for p, s in zip(reference.parameters(), start)),
             "refused": refused}
+
+
+def clipped(rank, world_size, how, weights=(torch.optim.Adam, {"lr": 0.05}), steps=3):
+    """Every parameter in one clipping set (``how``: {"max_norm": ...} or {"clip_value": ...}), declared
+    before fully_shard; the reference clips with torch.nn.utils before torch.optim. The differences after
+    each step, and ours' and torch's global norms."""
+    from _layerwise_bodies import LAYERWISE
+
+    if isinstance(weights, str):
+        weights = LAYERWISE[weights]
+    model = mlp()
+    reference = copy.deepcopy(model)
+    overlap_optim.apply_optimizer_in_backward(weights[0], [m.weight for m in _linears(model)], weights[1])
+    overlap_optim.apply_optimizer_in_backward(BIASES[0], [m.bias for m in _linears(model)], BIASES[1])
+    ref_opts = [weights[0]([m.weight for m in _linears(reference)], **weights[1]),
+                BIASES[0]([m.bias for m in _linears(reference)], **BIASES[1])]
+    clip = overlap_optim.apply_gradient_clipping(model.parameters(), **how)
+    overlap_optim.fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    norms = {"ours": [], "torch": []}
+
+    def ref_clip():
+        if "max_norm" in how:
+            norms["torch"].append(torch.nn.utils.clip_grad_norm_(reference.parameters(), how["max_norm"]).item())
+            norms["ours"].append(clip.total_norm.item())
+        else:
+            norms["torch"].append(max(p.grad.abs().max().item() for p in reference.parameters()))  # before
+            torch.nn.utils.clip_grad_value_(reference.parameters(), how["clip_value"])
+
+    diffs = train(model, reference, ref_opts, rank, world_size, steps, ref_clip=ref_clip)
+    return {"diffs": diffs, "norms": norms}

@@ -16,7 +16,7 @@ from torch import nn
 import overlap_optim
 from overlap_optim.testing import run_cases, selected_cases
 from _fsdp_bodies import (
-    CHECKPOINTED, _batch, _loss, accumulated, checkpoint_to_ddp, dmp_with_fsdp, grouped, layerwise, parity, reference_after, scheduled,
+    CHECKPOINTED, _batch, _loss, accumulated, checkpoint_to_ddp, clipped, dmp_with_fsdp, grouped, layerwise, parity, reference_after, scheduled,
     sharded_pair, torch_fully_shard, unused,
 )
 from test_parity_single_process import CASES
@@ -25,7 +25,10 @@ PARITY = {f"parity/{name}": partial(parity, weights=(cls, kwargs)) for name, cls
 LAYERWISE = {f"layerwise/{name}": partial(layerwise, name=name) for name in ("adafactor", "came", "lamb", "lars")}
 RANK_CASES = {**PARITY, **LAYERWISE, "layerwise/adafactor/no_statistics": partial(layerwise, name="adafactor",
                                                                                   statistics=False),
-              "grouped": grouped, "unused": unused, "dmp": dmp_with_fsdp, "scheduled": scheduled, "accumulated": accumulated, "torch_fully_shard": torch_fully_shard}
+              "grouped": grouped,
+              "clipped/norm": partial(clipped, how={"max_norm": 0.05}),
+              "clipped/value": partial(clipped, how={"clip_value": 0.01}),
+              "clipped/layerwise": partial(clipped, how={"max_norm": 0.05}, weights="adafactor"), "unused": unused, "dmp": dmp_with_fsdp, "scheduled": scheduled, "accumulated": accumulated, "torch_fully_shard": torch_fully_shard}
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +66,16 @@ def test_without_the_cross_shard_statistics_adafactor_is_wrong(ranks, case):
     for out in ranks[case]:
         assert out["all_reduces_per_step"] == 0, out
     assert max(max(out["diffs"]) for out in ranks[case]) > 1e-4, [out["diffs"] for out in ranks[case]]
+
+
+@pytest.mark.parametrize("case", ["clipped/norm", "clipped/value", "clipped/layerwise"])
+def test_clipping_over_fsdp_shards_equals_torch_clipping_on_the_whole(ranks, case):
+    for out in ranks[case]:
+        assert max(out["diffs"]) < 1e-5, out["diffs"]
+        # the bound binds at every step (the global norm, or the largest |g|, passes it)
+        assert len(out["norms"]["torch"]) == 3 and all(n > 0.05 for n in out["norms"]["torch"]), out
+        if case != "clipped/value":  # ours' global norm, over both ranks' shards, is torch's
+            assert out["norms"]["ours"] == pytest.approx(out["norms"]["torch"], rel=1e-5), out
 
 
 @pytest.mark.parametrize("case", ["grouped"])
@@ -168,13 +181,6 @@ def test_mixed_precision_that_casts_is_refused(setting):
 
     with pytest.raises(ValueError, match=f"mp_policy {setting}=torch.bfloat16"):
         overlap_optim.fully_shard(_annotated(), mp_policy=MixedPrecisionPolicy(**{setting: torch.bfloat16}))
-
-
-def test_clipped_parameters_are_refused():
-    model = _annotated()
-    overlap_optim.apply_gradient_clipping(model.parameters(), max_norm=1.0)
-    with pytest.raises(ValueError, match="parameter '0.weight' is in a gradient clipping set"):
-        overlap_optim.fully_shard(model)
 
 
 def test_fully_shard_takes_a_module():
