@@ -25,7 +25,6 @@ untrained with no error; :func:`refuse_lost_annotations` (run by
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -40,10 +39,10 @@ from overlap_optim.annotation import annotated_parameters, record_annotations, r
 from overlap_optim.clipping import clipping_of
 from overlap_optim.cross_shard import CrossShardOptimizer, Geometry, cross_shard_class, sharded_state_layouts
 from overlap_optim.round import EndOfBackwardRound
-from overlap_optim.update import live_optimizer, step_params
+from overlap_optim.update import drop_placeholder_state, live_optimizer, set_state_maker, step_params
 from overlap_optim.virtual_groups import LocalState
 
-__all__ = ["fully_shard", "refuse_lost_annotations", "refuse_cross_shard_state", "GroupStep", "CrossShardStep"]
+__all__ = ["fully_shard", "refuse_lost_annotations", "GroupStep", "CrossShardStep"]
 
 # On a parameter whose layer-wise optimizer steps across FSDP shards: its CrossShardStep.
 _CROSS_SHARD = "_overlap_fsdp_cross_shard"
@@ -116,11 +115,15 @@ class CrossShardStep:
         self.round, self.param = round_, param
         self.shard: CrossShardOptimizer = implementation(local, group, name, geometry, round_)
         sharded = set(sharded_state_layouts(group.spec, 0))
-        self.shard._optimizer.state[local] = LocalState(live_optimizer(param).state[param], param, sharded)
+        # The live optimizer's own dict, looked up at each access (a checkpoint load replaces it).
+        state = LocalState(lambda: live_optimizer(param).state[param], param, sharded)
+        self.shard._optimizer.state[local] = state
+        set_state_maker(param, lambda: self.shard._fresh_state(state))
 
     def __call__(self, param: torch.Tensor) -> None:
         if accumulating(param):
             return
+        drop_placeholder_state(param)  # an init_state placeholder that nothing was loaded over
         grad = param.grad.to_local()
         clip = clipping_of(param)
         if clip is None:
@@ -133,17 +136,6 @@ class CrossShardStep:
         self.shard.step(torch.arange(grad.shape[0], device=grad.device), grad)
         self.round.arm()
         param.grad = None
-
-
-def refuse_cross_shard_state(params: Mapping[str, torch.Tensor], what: str) -> None:
-    """Raise for ``what`` (saving or loading optimizer state) if some of ``params`` step across FSDP
-    shards: their checkpoints are not built yet."""
-    names = sorted(name for name, param in params.items() if _CROSS_SHARD in param.__dict__)
-    if names:
-        raise NotImplementedError(
-            f"{what}: {names} step a layer-wise optimizer across FSDP shards, whose checkpoints are not built "
-            "yet (training is); keep these layers under DDP (sharders.DataParallelWrapper) to checkpoint them"
-        )
 
 
 def _install_cross_shard(module: nn.Module, names: set[str]) -> None:

@@ -20,7 +20,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
 from overlap_optim import _state_schema, plans
 from overlap_optim.accumulation import StepTracker, track_steps
-from overlap_optim.fsdp import refuse_cross_shard_state, refuse_lost_annotations
+from overlap_optim.fsdp import refuse_lost_annotations
 from overlap_optim.spec import AnnotationGroup
 from overlap_optim.update import (
     drop_placeholder_state,
@@ -150,7 +150,6 @@ class InBackwardOptimizer(KeyedOptimizer):
             RuntimeError: inside a ``no_step`` window (see :func:`overlap_optim.no_step`).
         """
         self._refuse_mid_window("state_dict()")
-        refuse_cross_shard_state(self._in_backward, "state_dict()")
         state = {self._key_of[p]: dict(s) for p, s in self.state.items()}
         for path, tables in self._sources:
             state.update({_join(path, k): v for k, v in tables.state_dict().items()})
@@ -170,7 +169,6 @@ class InBackwardOptimizer(KeyedOptimizer):
             RuntimeError: inside a ``no_step`` window.
         """
         self._refuse_mid_window("load_state_dict()")
-        refuse_cross_shard_state(self._in_backward, "load_state_dict()")
         new_state, new_groups = _state_schema.split(state_dict)
         _state_schema.check_keys(self.params, new_state, new_groups)
         dropped = sorted(k for k in self._keys_with_state() if not new_state.get(k))
@@ -217,7 +215,6 @@ class InBackwardOptimizer(KeyedOptimizer):
         reaches the parameter before a ``load_state_dict``, the placeholder is
         dropped first, so training stays exactly that of ``torch.optim``.
         """
-        refuse_cross_shard_state(self._in_backward, "init_state()")
         for _, tables in self._sources:
             tables.init_state()
         for param in self._in_backward.values():

@@ -21,6 +21,7 @@ multi-tensor update (:mod:`overlap_optim.virtual_groups`); the rest step alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -32,12 +33,21 @@ from overlap_optim.virtual_groups import VirtualKey, multi_tensor_step, virtual_
 
 __all__ = [
     "step_when_ready", "step_param", "step_params", "step_clipped", "step_tables", "live_optimizer", "init_placeholder_state", "load_param_state",
-    "has_real_state", "drop_placeholder_state",
+    "has_real_state", "drop_placeholder_state", "set_state_maker",
     "RowOptimizer", "DenseTableOptimizer", "TableOptimizer", "table_optimizer",
 ]
 
 # The one mark on a parameter whose state init_state() made and nothing was loaded over.
 _PLACEHOLDER = "_overlap_placeholder_state"
+# On a parameter that its live optimizer's step does not update: what makes its fresh state.
+_STATE_MAKER = "_overlap_state_maker"
+
+
+def set_state_maker(param: torch.Tensor, make: Callable[[], None]) -> None:
+    """For a parameter whose update is not its live optimizer's ``step`` (a layer-wise optimizer
+    across FSDP shards): ``make()`` creates its fresh state in its live optimizer, where
+    :func:`init_placeholder_state` would otherwise step that optimizer on a zero gradient."""
+    param.__dict__[_STATE_MAKER] = make
 
 
 def step_when_ready(param: torch.Tensor) -> None:
@@ -186,6 +196,11 @@ def init_placeholder_state(param: torch.Tensor) -> None:
     it unless :func:`load_param_state` replaced it."""
     optimizer = live_optimizer(param)
     if optimizer is None or optimizer.state.get(param):
+        return
+    make = param.__dict__.get(_STATE_MAKER)
+    if make is not None:
+        make()
+        param.__dict__[_PLACEHOLDER] = True
         return
     kept = param.detach().clone()
     param.grad = torch.zeros_like(param)

@@ -87,14 +87,20 @@ class LocalState(MutableMapping):
     shard holds whole) pass as they are.
 
     Args:
-        state: the parameter's state dict in its live optimizer.
+        state: the parameter's state dict in its live optimizer, or a function that returns it
+            (looked up at each access: a checkpoint load replaces the dict).
         param: the DTensor parameter (sharded along dim 0).
         sharded: the names of the entries sharded along dim 0 (an element-wise moment, a row
             factor); None: every entry shaped as the local shard.
     """
 
-    def __init__(self, state: dict[str, Any], param: DTensor, sharded: set[str] | None = None) -> None:
-        self.state, self.param, self.sharded = state, param, sharded
+    def __init__(self, state: dict[str, Any] | Callable[[], dict[str, Any]], param: DTensor,
+                 sharded: set[str] | None = None) -> None:
+        self._state, self.param, self.sharded = state, param, sharded
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return self._state() if callable(self._state) else self._state
 
     def __getitem__(self, key: str) -> Any:
         value = self.state[key]
