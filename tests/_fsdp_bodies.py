@@ -134,12 +134,12 @@ def torch_fully_shard(rank, world_size):
     return found
 
 
-def accumulated(rank, world_size, steps=3, micro=3):
+def accumulated(rank, world_size, steps=3, micro=3, weights=(torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1})):
     """Each step: 2 micro-batches in no_step, the last outside; the reference: the 3 losses' gradients
     summed, then torch.optim. Returns the differences after each step and the reduce-scatters per step."""
     import torch.distributed as dist
 
-    model, reference, ref_opts = sharded_pair((torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1}))
+    model, reference, ref_opts = sharded_pair(weights_of(weights) if isinstance(weights, str) else weights)
     overlap_optim.fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
     calls, original = [], dist.reduce_scatter_single  # what FSDP2 calls in torch 2.13
     diffs = []
@@ -224,6 +224,13 @@ def checkpoint_to_ddp(rank, world_size, directory, weights="adam", steps=2):
         extra = overlap_optim.checkpoint.load(directory, other, overlap_optim.get_optimizers(other), {"step": None})
         ref, opts = reference_after(steps, world_size, setting)  # the same run, again
         found[target] = (*_continue(other, ref, opts, rank, world_size, steps), extra["step"])
+        if target == "ddp":  # and back: saved under DDP after that step, loaded under FSDP2
+            back = f"{directory}/from_ddp"
+            overlap_optim.checkpoint.save(back, other, overlap_optim.get_optimizers(other), {"step": steps + 1})
+            sharded, _, _ = sharded_pair(setting, seed=2)
+            overlap_optim.fully_shard(sharded, mesh=mesh)
+            extra = overlap_optim.checkpoint.load(back, sharded, overlap_optim.get_optimizers(sharded), {"step": None})
+            found["ddp_to_fsdp"] = (*_continue(sharded, ref, opts, rank, world_size, steps + 1), extra["step"] - 1)
     return found
 
 

@@ -26,7 +26,7 @@ CHECKPOINTS = ("adam", "adafactor", "lamb")  # the weights' optimizer of each ch
 LAYERWISE = {f"layerwise/{name}": partial(layerwise, name=name) for name in ("adafactor", "came", "lamb", "lars")}
 RANK_CASES = {**PARITY, **LAYERWISE, "layerwise/adafactor/no_statistics": partial(layerwise, name="adafactor",
                                                                                   statistics=False),
-              "grouped": grouped,
+              "grouped": grouped, "accumulated/adafactor": partial(accumulated, weights="adafactor"),
               "clipped/norm": partial(clipped, how={"max_norm": 0.05}),
               "clipped/value": partial(clipped, how={"clip_value": 0.01}),
               "clipped/layerwise": partial(clipped, how={"max_norm": 0.05}, weights="adafactor"), "unused": unused, "dmp": dmp_with_fsdp, "scheduled": scheduled, "accumulated": accumulated, "torch_fully_shard": torch_fully_shard}
@@ -111,7 +111,7 @@ def test_a_scheduler_on_get_optimizers_reaches_the_shards(ranks, case):
         assert out["state_types"] == ["DTensor"], out  # each rank's state is its shard's
 
 
-@pytest.mark.parametrize("case", ["accumulated"])
+@pytest.mark.parametrize("case", ["accumulated", "accumulated/adafactor"])
 def test_no_step_accumulates_unsharded_and_steps_once_on_the_sum(ranks, case):
     for out in ranks[case]:
         assert max(out["diffs"]) < 1e-6, out["diffs"]
@@ -129,6 +129,7 @@ def test_annotated_parameters_sharded_by_torch_are_refused(ranks, case):
 @pytest.mark.parametrize("case", [f"checkpoint/{w}" for w in CHECKPOINTS])
 def test_a_checkpoint_saved_under_fsdp_loads_under_ddp_and_fsdp(ranks, case):
     for out in ranks[case]:
+        assert set(out) == {"ddp", "fsdp", "ddp_to_fsdp"}, out
         for target, (loaded, after_a_step, step) in out.items():
             assert loaded < 1e-6 and after_a_step < 1e-5 and step == 2, (target, out)
 
