@@ -75,6 +75,11 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, **kwargs: Any) -> nn.Mod
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__name__}")
+    if mesh is not None and mesh.ndim != 1:
+        raise ValueError(
+            f"mesh {mesh!r} has {mesh.ndim} dimensions: overlap_optim.fully_shard shards over a 1-D mesh "
+            "(HSDP's replicate x shard meshes are not built yet)"
+        )
     ignored = set(kwargs.get("ignored_params") or ())
     recorded = {name: entry for name, entry in record_annotations(module).items() if entry[0] not in ignored}
     _check_settings(kwargs, recorded)

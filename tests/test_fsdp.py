@@ -186,6 +186,14 @@ def test_mixed_precision_that_casts_is_refused(setting):
         overlap_optim.fully_shard(_annotated(), mp_policy=MixedPrecisionPolicy(**{setting: torch.bfloat16}))
 
 
+def test_a_2d_mesh_is_refused():
+    from types import SimpleNamespace
+
+    mesh = SimpleNamespace(ndim=2)  # only its shape is read before refusing: no process group needed
+    with pytest.raises(ValueError, match="has 2 dimensions"):
+        overlap_optim.fully_shard(_annotated(), mesh=mesh)
+
+
 def test_fully_shard_takes_a_module():
     with pytest.raises(TypeError, match="got list"):
         overlap_optim.fully_shard([nn.Linear(2, 2)])
