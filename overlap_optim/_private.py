@@ -43,8 +43,8 @@ __all__ = [
     "sharded_tensor_process_group",
     "foreach",
     "fused",
-    "fsdp_original_uids",
-    "fsdp_original_uid",
+    "fsdp_taken",
+    "fsdp_uid",
     "Shard",
     "ShardedTensor",
     "ShardedTensorMetadata",
@@ -281,20 +281,24 @@ fused: Any = _Fused()
 # -- FSDP2 --
 
 
-def fsdp_original_uids(module: torch.nn.Module) -> list[int]:
-    """FSDP2's ids of the original parameters that ``fully_shard`` took from ``module`` (an
-    ``FSDPModule``). Private: ``fully_shard.state(module)._fsdp_param_groups``, each group's
-    ``fsdp_params`` and their ``_orig_param_uid``."""
+def fsdp_taken(module: torch.nn.Module) -> list[tuple[int, torch.Tensor]]:
+    """``(FSDP2's id of the original parameter, the sharded parameter that replaced it)`` for each
+    parameter that ``fully_shard`` took from ``module`` (an ``FSDPModule``). Private:
+    ``fully_shard.state(module)._fsdp_param_groups``, each group's ``fsdp_params`` and their
+    ``_orig_param_uid`` and ``sharded_param``."""
     from torch.distributed.fsdp import fully_shard
 
     state = fully_shard.state(module)
-    return [p._orig_param_uid for group in state._fsdp_param_groups for p in group.fsdp_params]
+    return [(p._orig_param_uid, p.sharded_param) for group in state._fsdp_param_groups for p in group.fsdp_params]
 
 
-def fsdp_original_uid(param: torch.Tensor) -> int | None:
-    """The id FSDP2 gave ``param`` when ``fully_shard`` took it, or None. Private: the
-    ``_fsdp_orig_uid`` attribute that ``_fsdp_param._get_orig_param_uid`` sets."""
-    return param.__dict__.get("_fsdp_orig_uid")
+def fsdp_uid(param: torch.Tensor) -> int:
+    """The id FSDP2 gives ``param`` if ``fully_shard`` takes it, given now (FSDP2 keeps an id it
+    finds on the parameter). Private: ``_fsdp_param._get_orig_param_uid``, which sets
+    ``param._fsdp_orig_uid`` from FSDP2's own counter."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    return _fsdp_param._get_orig_param_uid(param)
 
 
 def _fsdp_contract() -> object:
@@ -304,6 +308,8 @@ def _fsdp_contract() -> object:
     _fsdp_param._get_orig_param_uid(probe)
     assert "_fsdp_orig_uid" in probe.__dict__, "FSDP2 no longer marks the original parameter"
     assert "_orig_param_uid" in _fsdp_param.FSDPParam.__annotations__, "FSDPParam._orig_param_uid is gone"
+    assert "sharded_param" in _fsdp_param.FSDPParam.__annotations__, "FSDPParam.sharded_param is gone"
+    assert _fsdp_param._get_orig_param_uid(probe) == probe._fsdp_orig_uid, "FSDP2 no longer keeps a given id"
     assert isinstance(_fsdp_state.FSDPState()._fsdp_param_groups, list), "FSDPState._fsdp_param_groups is gone"
     return probe
 
@@ -329,7 +335,7 @@ PRIVATE_APIS: dict[str, Callable[[], object]] = {
     "torch.distributed._shard.sharded_tensor.ShardedTensor._process_group": (
         lambda: _probe_sharded_tensor()._process_group
     ),
-    "torch.distributed.fsdp FSDPState._fsdp_param_groups, FSDPParam._orig_param_uid, param._fsdp_orig_uid": (
+    "torch.distributed.fsdp FSDPState._fsdp_param_groups, FSDPParam._orig_param_uid, .sharded_param, _get_orig_param_uid": (
         _fsdp_contract
     ),
     **{f"torch._foreach_{op}": _foreach_entry(op) for op in _FOREACH_OPS},

@@ -11,7 +11,6 @@ right after it.
 from __future__ import annotations
 
 import inspect
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -24,11 +23,13 @@ from overlap_optim.update import live_optimizer, step_when_ready
 
 __all__ = [
     "apply_optimizer_in_backward", "materialize", "record_annotations", "reattach_annotations", "AnnotationGroup",
-    "needs_closure", "annotated_parameters", "replace_step_hook",
+    "needs_closure", "annotation_of_fsdp_uid", "replace_step_hook",
 ]
 
-# Every parameter annotated now, by id; weak: an entry lives as long as its parameter.
-_ANNOTATED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+# FSDP2's id of every parameter ever annotated (given at annotation) -> what it was annotated with.
+# Labels only, no tensors: the record outlives a Parameter object that torch's fully_shard replaced
+# and the garbage collector took with its annotation group.
+_ANNOTATED_UIDS: dict[int, str] = {}
 
 # Constructor arguments that are not settings a user may pass as kwargs.
 _CONSTRUCTOR_ONLY = ("params",)
@@ -151,11 +152,10 @@ def reattach_annotations(module: torch.nn.Module, recorded: Recorded) -> list[st
     return done
 
 
-def annotated_parameters() -> list[torch.Tensor]:
-    """Every live parameter of this process that is annotated now (in its group), in any model,
-    including Parameter objects that something replaced on their module."""
-    return [p for p in list(_ANNOTATED.values())
-            if getattr(p, "_overlap_group", None) is not None and any(q is p for q in p._overlap_group.param_group["params"])]
+def annotation_of_fsdp_uid(uid: int) -> str | None:
+    """What the parameter that FSDP2 knows as ``uid`` was annotated with (shape and optimizer), if it
+    was annotated; it may be gone since."""
+    return _ANNOTATED_UIDS.get(uid)
 
 
 def replace_step_hook(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
@@ -182,7 +182,7 @@ def _annotate(param: torch.Tensor, group: AnnotationGroup) -> None:
         param._in_backward_optimizers = []
     param._overlap_group = group
     group.param_group["params"].append(param)
-    _ANNOTATED[id(param)] = param
+    _ANNOTATED_UIDS[_private.fsdp_uid(param)] = f"{tuple(param.shape)} ({group.spec.name})"
     live_optimizer(param)
     handle = param.register_post_accumulate_grad_hook(step_when_ready)
     # The same registry torch uses, so that DDP's lazy init finds and removes it.

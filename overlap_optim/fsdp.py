@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from overlap_optim import _private
 from overlap_optim.accumulation import accumulating
-from overlap_optim.annotation import annotated_parameters, record_annotations, reattach_annotations, replace_step_hook
+from overlap_optim.annotation import annotation_of_fsdp_uid, record_annotations, reattach_annotations, replace_step_hook
 from overlap_optim.clipping import clipping_of
 from overlap_optim.cross_shard import CrossShardOptimizer, Geometry, cross_shard_class, sharded_state_layouts
 from overlap_optim.round import EndOfBackwardRound
@@ -196,16 +196,15 @@ class GroupStep:
 def refuse_lost_annotations(model: nn.Module) -> None:
     """Raise if torch's own ``fully_shard`` replaced annotated parameters of ``model``:
     their optimizers would never run, and nothing would say so."""
-    uids = {uid for m in model.modules() if isinstance(m, FSDPModule) for uid in _private.fsdp_original_uids(m)}
-    if not uids:
-        return
-    lost = [p for p in annotated_parameters() if _private.fsdp_original_uid(p) in uids]
+    lost = [annotation_of_fsdp_uid(uid) for m in model.modules() if isinstance(m, FSDPModule)
+            for uid, sharded in _private.fsdp_taken(m)
+            if annotation_of_fsdp_uid(uid) is not None and getattr(sharded, "_overlap_group", None) is None]
     if lost:
-        shapes = ", ".join(f"{tuple(p.shape)} ({p._overlap_group.spec.name})" for p in lost[:5])
         raise RuntimeError(
-            f"{len(lost)} annotated parameter(s) of shape {shapes} were sharded by torch's fully_shard, which "
-            "replaced them with new parameters and left their in-backward optimizers behind: nothing would "
-            "train them. Shard the annotated module with overlap_optim.fully_shard(module, mesh=mesh) instead"
+            f"{len(lost)} annotated parameter(s) of shape {', '.join(lost[:5])} were sharded by torch's "
+            "fully_shard, which replaced them with new parameters and left their in-backward optimizers "
+            "behind: nothing would train them. Shard the annotated module with "
+            "overlap_optim.fully_shard(module, mesh=mesh) instead"
         )
 
 
