@@ -11,6 +11,16 @@ quick: 256), each rank its own batch of 32:
 - ``ddp_ours``: the same MLP under DDP with our comm hook (``register_optimizer_hook``): every rank
   holds the whole optimizer state. Timed too, for reference.
 
+Muon's cost under FSDP2, in a second group on a narrower MLP (256 wide; quick: 64): torch's
+Newton-Schulz runs in bfloat16, about 0.26 s for one 256 x 256 matrix on one thread here, so a
+2048-wide Muon step would take most of a minute. Weights ``torch.optim.Muon``, biases AdamW:
+
+- ``fsdp_muon``: ``overlap_optim.fully_shard``; each weight's whole update is gathered at the end of
+  backward (one all-reduce of every weight, float64) and every rank orthogonalises it;
+- ``ddp_muon``: DDP with our comm hook, the gradient all-reduced, every rank orthogonalises;
+- ``ours`` and ``ddp_ours`` (AdamW) at the same width, so that Muon's own cost on each path (its step
+  less AdamW's) can be compared: the gather is what FSDP2 adds to it.
+
 Each peer is timed in the same processes, alternating. Optimizer-state bytes are each rank's own
 (local shards of DTensor state). Peak RSS is measured per peer in a group of its own.
 """
@@ -31,6 +41,7 @@ from overlap_optim.testing import run_ranks
 
 LAYERS, BATCH, LR = 5, 32, 1e-3
 PEERS = ("ours", "fsdp_adamw", "ddp_ours")
+MUON_PEERS = ("fsdp_muon", "ddp_muon", "ours", "ddp_ours")
 
 
 def _mlp(width: int) -> nn.Sequential:
@@ -69,8 +80,14 @@ def _build(peer: str, width: int, world_size: int):
             optimizer.zero_grad(set_to_none=True)
 
         return step, lambda: _state_bytes(optimizer.state.values())
-    overlap_optim.apply_optimizer_in_backward(torch.optim.AdamW, model.parameters(), {"lr": LR})
-    if peer == "ours":
+    if peer.endswith("muon"):
+        overlap_optim.apply_optimizer_in_backward(torch.optim.Muon, [p for p in model.parameters() if p.dim() == 2],
+                                                  {"lr": LR})
+        overlap_optim.apply_optimizer_in_backward(torch.optim.AdamW, [p for p in model.parameters() if p.dim() == 1],
+                                                  {"lr": LR})
+    else:
+        overlap_optim.apply_optimizer_in_backward(torch.optim.AdamW, model.parameters(), {"lr": LR})
+    if peer in ("ours", "fsdp_muon"):
         overlap_optim.fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
         wrapped = model
     else:
@@ -80,9 +97,9 @@ def _build(peer: str, width: int, world_size: int):
     return (lambda: wrapped(x).square().mean().backward()), (lambda: _state_bytes(keyed.state.values()))
 
 
-def _time(rank: int, world_size: int, width: int, warmup: int, repeats: int) -> dict:
+def _time(rank: int, world_size: int, peers: tuple[str, ...], width: int, warmup: int, repeats: int) -> dict:
     torch.set_num_threads(1)
-    built = {peer: _build(peer, width, world_size) for peer in PEERS}
+    built = {peer: _build(peer, width, world_size) for peer in peers}
     timings = time_peers({peer: step for peer, (step, _) in built.items()}, warmup, repeats)
     return {"timings": timings, "state_bytes": {peer: state() for peer, (_, state) in built.items()}}
 
@@ -99,8 +116,13 @@ def run(quick: bool) -> dict:
     """Measure; returns a JSON-able result with ratios."""
     width = 256 if quick else 2048
     warmup, repeats = (1, 3) if quick else (3, 15)
-    ranks = run_ranks(_time, width, warmup, repeats, timeout=1200)
+    ranks = run_ranks(_time, PEERS, width, warmup, repeats, timeout=1200)
     timings = ranks[0]["timings"]
+    muon_width, muon_repeats = (64, 3) if quick else (256, 5)
+    muon = run_ranks(_time, MUON_PEERS, muon_width, 1, muon_repeats, timeout=1200)
+    muon_timings = muon[0]["timings"]
+    muon_state = {peer: max(r["state_bytes"][peer] for r in muon) for peer in MUON_PEERS}
+    muon_s = {peer: muon_timings[peer]["median_s"] for peer in MUON_PEERS}
     state = {peer: max(r["state_bytes"][peer] for r in ranks) for peer in PEERS}
     memory = peak_rss_kib(_memory, list(PEERS), width, 3, quick=quick)
     ours = timings["ours"]["median_s"]
@@ -110,6 +132,9 @@ def run(quick: bool) -> dict:
                   "optimizer": "AdamW", "threads": 1, "repeats": repeats},
         "timings": timings,
         "state_bytes_per_rank": state,
+        "muon": {"width": muon_width, "repeats": muon_repeats, "timings": muon_timings,
+                 "state_bytes_per_rank": muon_state,
+                 "gathered_floats_per_step": LAYERS * muon_width * muon_width},
         "peak_rss_kib": memory,
         "ratios": {
             "step time, fsdp_adamw / ours (target >= 1)": timings["fsdp_adamw"]["median_s"] / ours,
@@ -118,5 +143,10 @@ def run(quick: bool) -> dict:
             "optimizer-state bytes per rank, ours / fsdp_adamw": state["ours"] / state["fsdp_adamw"],
             "peak RSS, ours / fsdp_adamw": memory["ours"] / memory["fsdp_adamw"],
             "peak RSS, ours / ddp_ours": memory["ours"] / memory["ddp_ours"],
+            "Muon step time, fsdp_muon / ddp_muon": muon_s["fsdp_muon"] / muon_s["ddp_muon"],
+            "Muon's cost over AdamW, FSDP2 / DDP (the gather's share)":
+                (muon_s["fsdp_muon"] - muon_s["ours"]) / (muon_s["ddp_muon"] - muon_s["ddp_ours"]),
+            "Muon optimizer-state bytes per rank, fsdp_muon / ddp_muon":
+                muon_state["fsdp_muon"] / muon_state["ddp_muon"],
         },
     }

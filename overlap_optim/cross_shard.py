@@ -2,7 +2,8 @@
 statistics in one all-reduce per step.
 
 LAMB and LARS scale an update by a trust ratio of whole-tensor norms; Adafactor and
-CAME by the RMS of the whole update and factored second moments. On a tensor split
+CAME by the RMS of the whole update and factored second moments; Muon orthogonalises
+the whole update (its "statistics" are the whole matrix: a gather). On a tensor split
 into row or column shards (a table under ``sharders``, a parameter under FSDP2), no
 shard can compute those alone, so the optimizer model finds these optimizers not
 separable. For the classes in :data:`CROSS_SHARD` the split still steps exactly:
@@ -398,8 +399,54 @@ class LarsTable(CrossShardOptimizer):
         self._grad = None
 
 
+class MuonTable(CrossShardOptimizer):
+    """``torch.optim.Muon``: momentum on each shard, then Newton-Schulz on the whole matrix.
+
+    No statistic short of the matrix itself will do for the orthogonalisation, so the
+    slot is the whole matrix: each shard writes its momentum-corrected update at its own
+    offsets and zeros elsewhere, the round's all-reduce sums those into the whole update
+    on every rank (a gather, exact, at twice an all-gather's traffic and in float64), and
+    each rank orthogonalises it with torch's own Newton-Schulz and keeps its block. Every
+    rank computes the whole orthogonalisation; its cost and the gather's are measured in
+    ``benchmarks/fsdp.py``.
+    """
+
+    @classmethod
+    def slot_size(cls, geometry):
+        rows, cols = geometry.table_shape
+        return rows * cols
+
+    def _fresh_state(self, state):
+        state["momentum_buffer"] = torch.zeros_like(self.weight)
+
+    def partials(self, ids, grads, state, h):
+        grad = self.whole_gradient(ids, grads)
+        if "momentum_buffer" not in state:
+            self._fresh_state(state)
+        buffer = state["momentum_buffer"]
+        buffer.lerp_(grad, 1 - h["momentum"])
+        update = grad.lerp(buffer, h["momentum"]) if h["nesterov"] else buffer
+        whole = update.new_zeros(self.geometry.table_shape)
+        self._block(whole).copy_(update)
+        return whole
+
+    def complete(self, stats):
+        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz  # the reference's own math
+
+        h, shape = self.group.param_group, self.geometry.table_shape
+        whole = stats.view(shape).to(self.weight.dtype)
+        ortho = _zeropower_via_newtonschulz(whole, h["ns_coefficients"], h["ns_steps"], h["eps"])
+        self.weight.mul_(1 - h["lr"] * h["weight_decay"])
+        self.weight.add_(self._block(ortho), alpha=-_adjust_lr(h["lr"], h["adjust_lr_fn"], torch.Size(shape)))
+
+    def _block(self, whole: torch.Tensor) -> torch.Tensor:
+        """This shard's block of a table-shaped tensor."""
+        (row, col), (rows, cols) = self.geometry.offsets, self.weight.shape
+        return whole[row : row + rows, col : col + cols]
+
+
 # optimizer class -> its cross-shard implementation. Optional packages join once imported.
-CROSS_SHARD: dict[type, type[CrossShardOptimizer]] = {torch.optim.Adafactor: AdafactorTable}
+CROSS_SHARD: dict[type, type[CrossShardOptimizer]] = {torch.optim.Adafactor: AdafactorTable, torch.optim.Muon: MuonTable}
 _OPTIONAL = {
     ("pytorch_optimizer", "Lamb"): LambTable,
     ("pytorch_optimizer", "LARS"): LarsTable,

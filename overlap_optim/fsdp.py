@@ -13,10 +13,11 @@ virtual group, as a DDP bucket's.
 An optimizer steps a shard exactly as it would step those rows of the whole
 parameter only if it is separable along dim 0 (``OptimizerSpec.row_separable``;
 element-wise along a 1-D parameter). Layer-wise optimizers (Adafactor, LAMB,
-LARS, CAME) are not; on 2-D parameters they step across FSDP's shards with the
+LARS, CAME, Muon) are not; on 2-D parameters they step across FSDP's shards with the
 core's cross-shard form (:mod:`overlap_optim.cross_shard`, :class:`CrossShardStep`):
-one all-reduce of whole-tensor statistics per step for all of them. Muon, and
-layer-wise optimizers on other shapes, are refused, naming the parameter.
+one all-reduce of whole-tensor statistics per step for all of them (Muon's is the
+whole matrix: a gather). Those on other shapes, and optimizers with no cross-shard
+form, are refused, naming the parameter.
 
 Calling torch's own ``fully_shard`` on annotated parameters would leave them
 untrained with no error; :func:`refuse_lost_annotations` (run by
@@ -257,7 +258,7 @@ def _check_parameters(recorded: dict, custom_placement: bool) -> None:
         spec = group.spec
         if cross_shard_class(spec.optimizer_class) is None or param.dim() != 2 or custom_placement:
             why = ("a 2-D parameter sharded on dim 0 only" if cross_shard_class(spec.optimizer_class) is not None
-                   else "no cross-shard form (a whole-matrix optimizer such as Muon needs the whole matrix)")
+                   else "no cross-shard form (its update reads the whole tensor in a way not built across shards)")
             raise ValueError(
                 f"parameter {name!r} (shape {tuple(param.shape)}) is annotated with {spec.name}, which does not "
                 "step a shard as it steps those rows of the whole parameter; under FSDP it steps across shards "

@@ -286,10 +286,12 @@ def annotation_of(
 def _support(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], sharding_type: str, device: str) -> str:
     """What happens to a table annotated ``cls(**kwargs)`` under ``sharding_type``, split in several shards."""
     spec = describe_optimizer(cls, kwargs)
-    if sharding_type in ROW_SPLITTING and not spec.row_separable:
-        return "refused: not separable by rows"
-    if sharding_type in COLUMN_SPLITTING and not spec.column_separable:
-        return "refused: not separable by columns"
+    for splitting, separable, what in ((ROW_SPLITTING, spec.row_separable, "rows"),
+                                       (COLUMN_SPLITTING, spec.column_separable, "columns")):
+        if sharding_type in splitting and not separable:
+            if cross_shard_class(cls) is not None:
+                return "exact, dense (cross-shard)"
+            return f"refused: not separable by {what}"
     if sharding_type == "data_parallel":
         return "exact, dense (DDP hook)"
     choice = choose_kernel(cls, kwargs, device, settings=spec.defaults)

@@ -93,6 +93,7 @@ LAYERWISE = {
     "came": (CAME, {"lr": 0.05, "weight_decay": 0.05}),
     "lamb": (Lamb, {"lr": 0.05, "weight_decay": 0.01}),
     "lars": (LARS, {"lr": 0.5, "momentum": 0.9, "trust_coefficient": 0.02}),
+    "muon": (torch.optim.Muon, {"lr": 0.05}),
 }
 
 

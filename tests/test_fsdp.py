@@ -23,7 +23,7 @@ from test_parity_single_process import CASES
 
 PARITY = {f"parity/{name}": partial(parity, weights=(cls, kwargs)) for name, cls, kwargs in CASES}
 CHECKPOINTS = ("adam", "adafactor", "lamb")  # the weights' optimizer of each checkpoint case
-LAYERWISE = {f"layerwise/{name}": partial(layerwise, name=name) for name in ("adafactor", "came", "lamb", "lars")}
+LAYERWISE = {f"layerwise/{name}": partial(layerwise, name=name) for name in ("adafactor", "came", "lamb", "lars", "muon")}
 RANK_CASES = {**PARITY, **LAYERWISE, "layerwise/adafactor/no_statistics": partial(layerwise, name="adafactor",
                                                                                   statistics=False),
               "grouped": grouped, "accumulated/adafactor": partial(accumulated, weights="adafactor"),
@@ -164,10 +164,12 @@ def test_a_layerwise_optimizer_on_a_vector_is_refused_naming_the_parameter():
         overlap_optim.fully_shard(_annotated(torch.optim.Adafactor))
 
 
-def test_muon_is_refused_naming_the_parameter():
-    with pytest.raises(ValueError, match=r"parameter '0.weight' \(shape \(5, 6\)\) is annotated with Muon.*whole"):
+def test_an_optimizer_without_a_cross_shard_form_is_refused_naming_the_parameter():
+    from pytorch_optimizer import AdamP  # its projection reads cosines of rows and of the whole weight
+
+    with pytest.raises(ValueError, match=r"parameter '0.weight' \(shape \(5, 6\)\) is annotated with AdamP.*no cross"):
         model = nn.Sequential(nn.Linear(6, 5, bias=False))
-        overlap_optim.apply_optimizer_in_backward(torch.optim.Muon, model.parameters(), {"lr": 0.05})
+        overlap_optim.apply_optimizer_in_backward(AdamP, model.parameters(), {"lr": 0.05})
         overlap_optim.fully_shard(model)
 
 

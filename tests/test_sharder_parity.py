@@ -50,7 +50,7 @@ CASES = [
     ("nadam_decoupled", torch.optim.NAdam, {"lr": 0.05, "weight_decay": 0.1, "decoupled_weight_decay": True,
                                             "momentum_decay": 0.01}),
     ("radam_decoupled", torch.optim.RAdam, {"lr": 0.05, "weight_decay": 0.1, "decoupled_weight_decay": True}),
-    # Not separable by rows or columns: dense semantics on whole tables, refused on split ones.
+    # Not separable by rows or columns: dense semantics; on split tables, a cross-shard form or refused.
     ("adafactor", torch.optim.Adafactor, {"lr": 0.05}),
     ("muon", torch.optim.Muon, {"lr": 0.05}),
     ("came", CAME, {"lr": 0.05}),
@@ -61,7 +61,7 @@ CASES = [
     ("adamp", AdamP, {"lr": 0.05}),
 ]
 NOT_SEPARABLE = {"adafactor", "muon", "came", "lamb", "lars", "adamp"}
-REFUSED_WHEN_SPLIT = {"muon", "adamp"}  # the rest have a cross-shard form (sharders/layerwise.py)
+REFUSED_WHEN_SPLIT = {"adamp"}  # the rest have a cross-shard form (overlap_optim/cross_shard.py)
 SPLITTING = ("column_wise", "table_column_wise", "row_wise", "table_row_wise")
 NAMES = [c[0] for c in CASES]
 PARTIAL = ("table_wise", "data_parallel")
