@@ -38,6 +38,12 @@ class CrossShardTable(FallbackTable):
         geometry = self._geometry(config.local_metadata.shard_offsets)
         return implementation(weight, self.group, self.table, geometry, context.round)
 
+    def step_bytes(self, shard_shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> int:
+        """The shard-sized gradient, and the round's statistics: this table's slot of the float64
+        buffer and the partial sums handed to it (for Muon, the whole matrix, twice)."""
+        slot = cross_shard_class(self.group.optimizer_class).slot_size(self._geometry())
+        return super().step_bytes(shard_shape, dtype) + 2 * 8 * slot
+
     def state_layout(self) -> dict[str, str]:
         return sharded_state_layouts(self.group.spec, split_axis(self.decision.sharding_type))
 

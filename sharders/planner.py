@@ -24,7 +24,8 @@ enumerator that, for every sharding option of a table sharded by our sharders:
   factored state for cross-shard tables, the whole table's for data-parallel
   ones), plus the per-step buffers the kernel allocates
   (:meth:`~sharders.kernels.TableKernel.step_bytes`, such as the shard-sized
-  gradient of a dense-semantics table). TorchRec's own tensor and I/O sizes are
+  gradient of a dense-semantics table, and a cross-shard table's slot of its
+  round: for Muon, the whole matrix). TorchRec's own tensor and I/O sizes are
   kept; its multiplier is not applied.
 
 On CPU the bytes go to DDR; on CUDA to HBM, or to DDR for kernels that keep the

@@ -133,6 +133,30 @@ def test_the_estimate_replaces_torchrecs_multiplier_by_the_kernels_bytes():
         assert ddr[("ours", name)] - ddr[("torchrec", name)] == difference, name
 
 
+def test_a_split_muon_table_is_planned_with_the_matrix_its_round_gathers():
+    """One process: on a row_wise shard, a Muon table's estimate exceeds an Adafactor table's by
+    Muon's state (the momentum, shard-sized) plus its round's slot (the whole table, float64, held
+    twice), less Adafactor's factored state and its (3 + 2C)-float slot."""
+    from torchrec.distributed.planner import Topology
+
+    import sharders
+    from _planner_bodies import ROWS, _model
+    from sharders.planner import FittingEnumerator
+
+    import torch
+
+    dim, topology = 64, Topology(world_size=2, compute_device="cpu", local_world_size=2)
+    specs = [("muon", torch.optim.Muon, {"lr": 0.01}), ("adafactor", torch.optim.Adafactor, {"lr": 0.01})]
+    ddr = {option.name: option.shards[0].storage.ddr
+           for option in FittingEnumerator(topology, 512).enumerate(_model(specs, dim),
+                                                                     [sharders.EmbeddingBagCollectionSharder()])
+           if option.sharding_type == "row_wise"}
+    shard_rows = ROWS // 2
+    muon = shard_rows * dim * 4 + 2 * 8 * ROWS * dim
+    adafactor = (shard_rows + dim + 1) * 4 + 2 * 8 * (3 + 2 * dim)
+    assert ddr["muon"] - ddr["adafactor"] == muon - adafactor, ddr
+
+
 def test_cuda_plans_are_checked_without_a_gpu():
     """A CUDA topology, planned as a pure function: fused tables keep FBGEMM's UVM kernels (their state
     then in host memory), fallback tables are offered only kernels they run in (their state in HBM),
