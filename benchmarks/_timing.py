@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -45,6 +46,23 @@ def peak_rss_kib(fn: Callable[..., int], peers: list[str], *args: Any, quick: bo
         return {peer: max(run_ranks(fn, peer, *args, timeout=timeout)) for peer in peers}
     by_rank = run_ranks(_each_peer, fn, list(peers), args, timeout=timeout)
     return {peer: max(result[peer] for result in by_rank) for peer in peers}
+
+
+def own_peak_rss_kib() -> int:
+    """This process's own peak RSS in KiB: ``VmHWM`` of ``/proc/self/status`` where Linux has it.
+
+    Not ``ru_maxrss``: Linux carries a parent's peak into a child it starts (fork, then exec),
+    so every rank spawned by a large benchmark runner reported the runner's peak (6.5 to 9.1 GB
+    for every peer alike, ratios 1.00 by construction) until 2026-11-24. ``ru_maxrss`` is the
+    fallback where ``/proc`` is missing."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def _each_peer(rank: int, world_size: int, fn: Callable[..., int], peers: list[str], args: tuple) -> dict[str, int]:

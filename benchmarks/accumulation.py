@@ -11,7 +11,7 @@ per rank (as torchrun sets it). Each peer runs the same 4 micro-batches per time
 - ``window_fallback``: the same window with every table pinned to the fallback, the other exact
   route: the fallback sums each micro-batch's touched rows as it goes.
 
-Memory: the peak RSS of each peer in a group of its own (``ru_maxrss`` of each rank), and what a
+Memory: the peak RSS of each peer in a group of its own (``VmHWM`` of each rank), and what a
 fused window holds before its last micro-batch (ids, offsets and output gradients), at k = 2, 4
 and 8.
 """
@@ -19,12 +19,11 @@ and 8.
 from __future__ import annotations
 
 import contextlib
-import resource
 
 import torch
 import torch.distributed as dist
 
-from benchmarks._timing import peak_rss_kib, time_peers
+from benchmarks._timing import own_peak_rss_kib, peak_rss_kib, time_peers
 from benchmarks.sparse_vs_torchrec import SETTINGS, _batches, _Model, _sizes
 from overlap_optim import apply_optimizer_in_backward, get_optimizers, no_step
 from overlap_optim.testing import run_ranks
@@ -91,7 +90,7 @@ def _memory(rank: int, world_size: int, peer: str, quick: bool, rounds: int) -> 
     step = _stepper(peer, *_build(peer, rows, world_size), batches, K)
     for _ in range(rounds):
         step()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    return own_peak_rss_kib()
 
 
 def _held(rank: int, world_size: int, quick: bool, ks: tuple[int, ...]) -> dict[int, int]:

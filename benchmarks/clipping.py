@@ -30,20 +30,19 @@ at batch 16 and 256 per rank, one thread per rank. Peers, alternating in one run
 - ``ddp_foreach``: plain DDP and ``Adam(foreach=True)``, no clipping (what clipping costs torch's loop).
 
 Peak RSS of ``ours_clipped`` and ``ddp_clip`` on the MLP at batch 256 is measured per peer in
-a group of its own (``ru_maxrss`` of each rank).
+a group of its own (``VmHWM`` of each rank).
 """
 
 from __future__ import annotations
 
 import gc
 import math
-import resource
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks._timing import peak_rss_kib, time_peers
+from benchmarks._timing import own_peak_rss_kib, peak_rss_kib, time_peers
 from benchmarks.dense_hook import LRS, WIDTHS, _ddp_plain, _thirds, _tower
 from benchmarks.sparse_vs_torchrec import SETTINGS, _batches, _Model, _sizes
 from overlap_optim import apply_gradient_clipping, apply_optimizer_in_backward, register_optimizer_hook
@@ -187,7 +186,7 @@ def _memory(rank: int, world_size: int, peer: str, layers: int, batch: int, step
     step, _ = _dense_peer(peer, layers, x)
     for _ in range(steps):
         step()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    return own_peak_rss_kib()
 
 
 def run(quick: bool) -> dict:

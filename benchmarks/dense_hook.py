@@ -18,11 +18,10 @@ Peers, same process group, alternating in one run:
   Adam kernel. Ours then steps each annotation group's share of a bucket in one
   ``torch.optim`` call, as torch steps a param group.
 
-Peak RSS is measured per peer in a group of its own (``ru_maxrss`` of each rank).
+Peak RSS is measured per peer in a group of its own (``VmHWM`` of each rank).
 """
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations as objects.
-import resource
 
 import torch
 import torch.distributed as dist
@@ -31,7 +30,7 @@ from torch.autograd import Variable
 from torch.distributed.optim.apply_optimizer_in_backward import _apply_optimizer_in_backward
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks._timing import peak_rss_kib, time_peers
+from benchmarks._timing import own_peak_rss_kib, peak_rss_kib, time_peers
 from overlap_optim import apply_optimizer_in_backward, register_optimizer_hook
 from overlap_optim.testing import run_ranks
 
@@ -144,7 +143,7 @@ def _memory(rank: int, world_size: int, peer: str, layers: int, batch: int, step
     step = _steps(layers, batch, rank, peers=(peer,))[peer]
     for _ in range(steps):
         step()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    return own_peak_rss_kib()
 
 
 def run(quick: bool) -> dict:

@@ -27,7 +27,6 @@ Each peer is timed in the same processes, alternating. Optimizer-state bytes are
 
 from __future__ import annotations
 
-import resource
 
 import torch
 from torch import nn
@@ -36,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap_optim
-from benchmarks._timing import peak_rss_kib, time_peers
+from benchmarks._timing import own_peak_rss_kib, peak_rss_kib, time_peers
 from overlap_optim.testing import run_ranks
 
 LAYERS, BATCH, LR = 5, 32, 1e-3
@@ -109,7 +108,7 @@ def _memory(rank: int, world_size: int, peer: str, width: int, steps: int) -> in
     step, _ = _build(peer, width, world_size)
     for _ in range(steps):
         step()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    return own_peak_rss_kib()
 
 
 def run(quick: bool) -> dict:

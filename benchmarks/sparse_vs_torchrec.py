@@ -20,14 +20,13 @@ Both heads are plain DDP + SGD. Peak RSS is measured per peer in a group of its 
 
 from __future__ import annotations
 
-import resource
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
-from benchmarks._timing import peak_rss_kib, time_peers
+from benchmarks._timing import own_peak_rss_kib, peak_rss_kib, time_peers
 from overlap_optim.testing import run_ranks
 
 DIM = 64
@@ -136,7 +135,7 @@ def _memory(rank: int, world_size: int, peer: str, quick: bool, steps: int, coll
     step = _stepper(*_build(peer, rows, world_size, collection), _batches(rows, batch, pooling, rank))
     for _ in range(steps):
         step()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    return own_peak_rss_kib()
 
 
 def run(quick: bool, collection: str = "ebc") -> dict:

@@ -144,6 +144,9 @@ def reattach_annotations(module: torch.nn.Module, recorded: Recorded) -> list[st
             continue
         if group is not None:
             _remove_hooks(old)
+            # Its live optimizer refers back to it: without this, a cycle keeps the replaced
+            # (unsharded, under FSDP2) parameter alive until the next garbage collection.
+            old._in_backward_optimizers = []
             _annotate(param, group)
         if clip is not None:
             clip.leave(old)

@@ -77,17 +77,23 @@ def train(model, reference, ref_opts, rank, world_size, steps, before_step=None,
 
 
 def parity(rank, world_size, weights, steps=4):
-    """Every step against one process; also: how far the reference moved, whether a gradient is left."""
+    """Every step against one process; also: how far the reference moved, whether a gradient is left,
+    how many of the replaced (unsharded) parameters outlived ``fully_shard`` (no garbage collection)."""
+    import weakref
+
     model, reference, ref_opts = sharded_pair(weights)
     start = [p.detach().clone() for p in reference.parameters()]
     mesh = init_device_mesh("cpu", (world_size,))
+    unsharded = [weakref.ref(p) for p in model.parameters()]
     overlap_optim.fully_shard(model, mesh=mesh)
+    outlived = sum(ref() is not None for ref in unsharded)
     diffs = train(model, reference, ref_opts, rank, world_size, steps)
     return {
         "diffs": diffs,
         "moved": min((p.detach() - s).abs().max().item() for p, s in zip(reference.parameters(), start)),
         "grads_left": [n for n, p in model.named_parameters() if p.grad is not None],
         "local_rows": [p.to_local().shape[0] for p in model.parameters()],
+        "unsharded_outlived": outlived,
     }
 
 

@@ -59,3 +59,18 @@ def test_quick_benchmarks_write_report_and_json(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
     )
     assert again.returncode == 0 and (tmp_path / "report.md").read_text() == report
+
+
+def test_a_started_process_reports_its_own_peak_rss_not_its_parents():
+    """The peak-RSS comparisons start each peer's ranks from a large runner: the rank's reading
+    must be its own (``ru_maxrss`` there is the runner's peak, which made every peer equal)."""
+    parent = bytearray(3 << 30)
+    parent[:: 1 << 12] = b"x" * len(parent[:: 1 << 12])  # touched: 3 GiB resident in this process
+    code = ("import resource; from benchmarks._timing import own_peak_rss_kib; "
+            "print(own_peak_rss_kib(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+    del parent
+    own, inherited = map(int, run.stdout.split())
+    assert own < 2 << 20, (own, inherited)  # KiB: the child (torch imported) is well under 2 GiB
+    if sys.platform == "linux":  # the reason for the helper: Linux's ru_maxrss carried the parent's 3 GiB over
+        assert inherited >= 3 << 20, (own, inherited)

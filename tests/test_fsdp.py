@@ -50,6 +50,7 @@ def test_each_shard_steps_in_backward_exactly_as_torch_optim_on_the_whole(ranks,
         assert max(out["diffs"]) < 1e-6, out["diffs"]
         assert out["moved"] > 1e-3, out  # the reference moved every parameter
         assert out["grads_left"] == [], out  # each gradient released after its step
+        assert out["unsharded_outlived"] == 0, out  # freed at once, not at the next garbage collection
     assert [r["local_rows"] for r in ranks[case]] == [[3, 3, 2, 2, 1, 1], [2, 2, 1, 1, 0, 0]]
 
 
