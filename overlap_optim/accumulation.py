@@ -44,10 +44,11 @@ _ACCUMULATING: dict[int, torch.Tensor] = {}  # id -> parameter, while its model 
 _TRACKER = "_overlap_step_tracker"
 
 
-def accumulating(param: torch.Tensor) -> bool:
-    """Whether ``param``'s model is inside :func:`no_step`: its gradient accumulates, nothing
-    steps it. The one accessor of that mark."""
-    return _ACCUMULATING.get(id(param)) is param
+def accumulating(*params: torch.Tensor) -> bool:
+    """Whether the model of any of ``params`` is inside :func:`no_step`: its gradient accumulates,
+    nothing steps it. The one accessor of that mark; outside every ``no_step`` it reads no parameter
+    (a DDP bucket asks it for hundreds, on backward's thread)."""
+    return bool(_ACCUMULATING) and any(_ACCUMULATING.get(id(param)) is param for param in params)
 
 
 class StepTracker:

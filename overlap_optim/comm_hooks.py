@@ -34,7 +34,7 @@ import torch.distributed as dist
 from overlap_optim.clipping import GradientClipping
 from overlap_optim.round import EndOfBackwardRound, Phase
 from overlap_optim.accumulation import accumulating
-from overlap_optim.update import step_clipped
+from overlap_optim.update import step_clipped, step_params
 
 __all__ = [
     "OptimizerHookState",
@@ -117,7 +117,7 @@ Reduction = Callable[[OptimizerHookState, dist.GradBucket], torch.futures.Future
 
 def optimizer_hook(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Reduce the bucket with this backward's reduction, then step the annotated parameters in it."""
-    if (state.held_back is not None and state.held_back()) or any(accumulating(p) for p in bucket.parameters()):
+    if (state.held_back is not None and state.held_back()) or accumulating(*bucket.parameters()):
         return _keep_local(state, bucket)
     if state.local_sums:
         _add_local_sums(state, bucket)
@@ -236,7 +236,10 @@ def step_bucket(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.Ten
         for target, view in targets or ():
             target.grad = view(grad)
             stepped.append(target)
-    step_clipped(stepped, replicated=True)
+    if state.clips:
+        step_clipped(stepped, replicated=True)
+    else:  # no managed parameter is clipped: skip asking each
+        step_params(stepped)
     return bucket.buffer()
 
 

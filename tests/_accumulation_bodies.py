@@ -62,7 +62,7 @@ def ddp_windows(rank, world_size, k, clip=False, windows=3, mutate=False, forwar
     # a no_step that neither holds DDP back nor the hook's updates
     from overlap_optim import comm_hooks
     saved = comm_hooks.accumulating, DDP.no_sync
-    comm_hooks.accumulating, DDP.no_sync = (lambda param: False), (lambda self: contextlib.nullcontext())
+    comm_hooks.accumulating, DDP.no_sync = (lambda *params: False), (lambda self: contextlib.nullcontext())
     try:
         return _train(ours, reference, ref_opts, k, windows, world_size, rank, None, None)
     finally:
