@@ -94,6 +94,8 @@ LAYERWISE = {
     "lamb": (Lamb, {"lr": 0.05, "weight_decay": 0.01}),
     "lars": (LARS, {"lr": 0.5, "momentum": 0.9, "trust_coefficient": 0.02}),
     "muon": (torch.optim.Muon, {"lr": 0.05}),
+    "muon_settings": (torch.optim.Muon, {"lr": 0.05, "momentum": 0.8, "nesterov": False, "weight_decay": 0.02,
+                                         "adjust_lr_fn": "match_rms_adamw", "ns_steps": 4}),
 }
 
 

@@ -23,7 +23,7 @@ from test_parity_single_process import CASES
 
 PARITY = {f"parity/{name}": partial(parity, weights=(cls, kwargs)) for name, cls, kwargs in CASES}
 CHECKPOINTS = ("adam", "adafactor", "lamb")  # the weights' optimizer of each checkpoint case
-LAYERWISE = {f"layerwise/{name}": partial(layerwise, name=name) for name in ("adafactor", "came", "lamb", "lars", "muon")}
+LAYERWISE = {f"layerwise/{name}": partial(layerwise, name=name) for name in ("adafactor", "came", "lamb", "lars", "muon", "muon_settings")}
 RANK_CASES = {**PARITY, **LAYERWISE, "layerwise/adafactor/no_statistics": partial(layerwise, name="adafactor",
                                                                                   statistics=False),
               "grouped": grouped, "accumulated/adafactor": partial(accumulated, weights="adafactor"),
