@@ -41,6 +41,7 @@ import sys
 from typing import Any
 
 import torch
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz  # Muon's own math, for MuonTable
 
 from overlap_optim.round import EndOfBackwardRound
 from overlap_optim.spec import AnnotationGroup, OptimizerSpec
@@ -431,8 +432,6 @@ class MuonTable(CrossShardOptimizer):
         return whole
 
     def complete(self, stats):
-        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz  # the reference's own math
-
         h, shape = self.group.param_group, self.geometry.table_shape
         whole = stats.view(shape).to(self.weight.dtype)
         ortho = _zeropower_via_newtonschulz(whole, h["ns_coefficients"], h["ns_steps"], h["eps"])

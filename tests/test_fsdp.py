@@ -22,14 +22,15 @@ from _fsdp_bodies import (
 from test_parity_single_process import CASES
 
 PARITY = {f"parity/{name}": partial(parity, weights=(cls, kwargs)) for name, cls, kwargs in CASES}
-CHECKPOINTS = ("adam", "adafactor", "lamb")  # the weights' optimizer of each checkpoint case
+CHECKPOINTS = ("adam", "adafactor", "lamb", "muon")  # the weights' optimizer of each checkpoint case
 LAYERWISE = {f"layerwise/{name}": partial(layerwise, name=name) for name in ("adafactor", "came", "lamb", "lars", "muon", "muon_settings")}
 RANK_CASES = {**PARITY, **LAYERWISE, "layerwise/adafactor/no_statistics": partial(layerwise, name="adafactor",
                                                                                   statistics=False),
               "grouped": grouped, "accumulated/adafactor": partial(accumulated, weights="adafactor"),
               "clipped/norm": partial(clipped, how={"max_norm": 0.05}),
               "clipped/value": partial(clipped, how={"clip_value": 0.01}),
-              "clipped/layerwise": partial(clipped, how={"max_norm": 0.05}, weights="adafactor"), "unused": unused, "dmp": dmp_with_fsdp, "scheduled": scheduled, "accumulated": accumulated, "torch_fully_shard": torch_fully_shard}
+              "clipped/layerwise": partial(clipped, how={"max_norm": 0.05}, weights="adafactor"),
+              "clipped/muon": partial(clipped, how={"max_norm": 0.05}, weights="muon"), "unused": unused, "dmp": dmp_with_fsdp, "scheduled": scheduled, "accumulated": accumulated, "torch_fully_shard": torch_fully_shard}
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def test_without_the_cross_shard_statistics_adafactor_is_wrong(ranks, case):
     assert max(max(out["diffs"]) for out in ranks[case]) > 1e-4, [out["diffs"] for out in ranks[case]]
 
 
-@pytest.mark.parametrize("case", ["clipped/norm", "clipped/value", "clipped/layerwise"])
+@pytest.mark.parametrize("case", ["clipped/norm", "clipped/value", "clipped/layerwise", "clipped/muon"])
 def test_clipping_over_fsdp_shards_equals_torch_clipping_on_the_whole(ranks, case):
     for out in ranks[case]:
         assert max(out["diffs"]) < 1e-5, out["diffs"]
