@@ -2,6 +2,8 @@
 # The stack is installed explicitly: torchrec's metadata asks for the CUDA
 # fbgemm-gpu, which would overwrite fbgemm-gpu-cpu, so torchrec and this package
 # go in with --no-deps. Every package is pinned in requirements/constraints.txt.
+# Installing this package also builds its optional C++ one-pass row update
+# (overlap_optim/csrc) with the system's C++ compiler; without one it is skipped.
 
 PYTHON ?= python3
 VENV := .venv
@@ -16,7 +18,7 @@ DEMO_ARGS ?=
 
 env: $(STAMP)
 
-$(STAMP): setup.py Makefile $(wildcard requirements/*.txt)
+$(STAMP): setup.py Makefile $(wildcard requirements/*.txt) $(wildcard overlap_optim/csrc/*.cpp)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "setting up $(VENV) (pinned stack; a satisfied package is skipped)"
 	$(PIP) install $(PINS) -r requirements/stack.txt
@@ -26,6 +28,8 @@ $(STAMP): setup.py Makefile $(wildcard requirements/*.txt)
 	@$(PY) -m pip list 2>/dev/null | grep -qiE '^fbgemm[-_]gpu ' && \
 		{ echo "error: the CUDA fbgemm-gpu got installed and breaks fbgemm-gpu-cpu; run: make clean env"; exit 1; } || true
 	$(PY) -c "import torchrec, fbgemm_gpu, overlap_optim, sharders"
+	@$(PY) -c "from overlap_optim import row_pass; print('one-pass row update (Adam fallback tables):', \
+		'built' if row_pass.available() else 'not built (no C++ compiler?): the slower pure-torch path runs')"
 	@touch $(STAMP)
 
 demo: $(STAMP)
@@ -39,4 +43,4 @@ constraints: $(STAMP)
 	  $(PY) -m pip freeze --exclude-editable 2>/dev/null | sed 's/+cpu//'; } > requirements/constraints.txt
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) build overlap_optim/_row_pass*.so

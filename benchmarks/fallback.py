@@ -11,8 +11,8 @@ Peers, one process, same batches:
 A step is forward, backward and the update. Then the fallback alone at growing table
 sizes with a fixed batch: its cost should follow the touched rows, not the table size.
 Last, where the fallback's step goes: torch.profiler's self time of each operator,
-summed by phase of ``update_rows`` (gathers, Adam math, scatters, ...), as a share of
-the step's wall time.
+summed by phase of ``update_rows`` (the compiled one pass, or, without it, gathers,
+Adam math, scatters, ...), as a share of the step's wall time.
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ def _eager_step(rows: int, batches: list, sparse: bool) -> callable:
 
 # Operators by phase of the fallback's step; the first match wins.
 _PHASES = (
+    ("the one compiled pass: sum duplicate ids, Adam, in place (overlap_optim::adam_rows_)",
+     lambda name: name == "overlap_optim::adam_rows_"),
     ("scatter back: index_copy_ of the weight and 2 Adam states", lambda name: name == "aten::index_copy_"),
     ("sum the gradients of duplicate ids: unique (sort), index_add_",
      lambda name: name in ("aten::sort", "aten::_unique2", "aten::scatter_add_", "aten::index_add_")),

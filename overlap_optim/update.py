@@ -26,13 +26,14 @@ from typing import Any, ClassVar
 
 import torch
 
+from overlap_optim import row_pass
 from overlap_optim.accumulation import accumulating
 from overlap_optim.clipping import clipping_of
 from overlap_optim.spec import AnnotationGroup
 from overlap_optim.virtual_groups import VirtualKey, multi_tensor_step, virtual_key
 
 __all__ = [
-    "step_when_ready", "step_param", "step_params", "step_clipped", "step_tables", "live_optimizer", "init_placeholder_state", "load_param_state",
+    "step_when_ready", "step_param", "step_params", "step_clipped", "step_tables", "step_touched", "sum_rows", "live_optimizer", "init_placeholder_state", "load_param_state",
     "has_real_state", "drop_placeholder_state", "set_state_maker",
     "RowOptimizer", "DenseTableOptimizer", "TableOptimizer", "table_optimizer",
 ]
@@ -140,12 +141,13 @@ def _step_together(members: list[torch.Tensor]) -> None:
 
 def step_tables(updates: list[tuple[TableOptimizer, torch.Tensor, torch.Tensor]]) -> None:
     """``(table optimizer, unique row ids, their summed gradients)`` for each table of a kernel:
-    the tables of one virtual group share one multi-tensor update, each with its own float
+    a table that steps in one compiled pass (:attr:`TableOptimizer.one_pass`) steps so; the
+    other tables of one virtual group share one multi-tensor update, each with its own float
     settings read from its param group now; the rest step alone."""
     sets: dict[VirtualKey, list[tuple[TableOptimizer, torch.Tensor, torch.Tensor]]] = {}
     for table, ids, grads in updates:
         table.group.spec.check_live(table.param_group, f"table {table.name!r}")
-        key = virtual_key(table.group.spec, table.param_group, table.weight)
+        key = None if table.one_pass else virtual_key(table.group.spec, table.param_group, table.weight)
         if key is None:
             table.step(ids, grads)
         else:
@@ -157,6 +159,21 @@ def step_tables(updates: list[tuple[TableOptimizer, torch.Tensor, torch.Tensor]]
         multi_tensor_step(members[0][0].group.spec, params, grads, states, hypers)
         for (table, ids, _), param, state in zip(members, params, states):
             table.finish(ids, param, state)
+
+
+def step_touched(updates: list[tuple[TableOptimizer, torch.Tensor, torch.Tensor]]) -> None:
+    """:func:`step_tables` on ``(table optimizer, row ids, a gradient per id)``, where ids may
+    repeat: a table that steps in one pass sums a repeated id's gradients as it goes, the
+    others are summed first (:func:`sum_rows`)."""
+    step_tables([(t, ids, grads) if t.one_pass else (t, *sum_rows(ids, grads)) for t, ids, grads in updates])
+
+
+def sum_rows(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(unique ids, the sum of each id's gradients)``; ``grads[i]`` is the gradient of ``ids[i]``."""
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    summed = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype, device=grads.device)
+    summed.index_add_(0, inverse, grads)
+    return unique, summed
 
 
 def live_optimizer(param: torch.Tensor) -> torch.optim.Optimizer | None:
@@ -287,6 +304,7 @@ class TableOptimizer:
     """
 
     semantics: ClassVar[str]
+    one_pass = False  # whether step() runs the compiled one-pass update (overlap_optim.row_pass)
 
     def __init__(self, weight: torch.Tensor, group: AnnotationGroup, name: str = "?") -> None:
         assert weight.dim() == 2, "a table is 2-D"
@@ -364,7 +382,10 @@ class TableOptimizer:
 class RowOptimizer(TableOptimizer):
     """``optimizer_class`` applied lazily to the touched rows of one 2-D table.
 
-    Only for row-separable optimizers (``group.spec.row_separable``).
+    Only for row-separable optimizers (``group.spec.row_separable``). Adam and AdamW on a
+    float32 CPU table step in one compiled pass over the rows (:mod:`overlap_optim.row_pass`,
+    :attr:`one_pass`) where the extension is built; every other table, and every table
+    without it, gathers the rows, runs ``torch.optim``'s step on them and scatters them back.
 
     Example:
         >>> rows = RowOptimizer(table_weight, table_weight_annotation_group, "t0")
@@ -381,9 +402,15 @@ class RowOptimizer(TableOptimizer):
         self._optimizer = group.spec.make([self._placeholder])
         self._rows: dict[str, torch.Tensor] = {}
         self._table: dict[str, Any] = {}
+        # Fixed at annotation, as everything it depends on (a changed fixed setting is refused).
+        self.one_pass = row_pass.applies(group.spec, group.param_group, weight)
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """See :meth:`TableOptimizer.step`; in one pass (:attr:`one_pass`), ``ids`` may also
+        repeat, each id's gradients summed in the order given."""
+        if self.one_pass and self._step_in_one_pass(ids, grads):
+            return
         rows, rows.grad, state = self.prepare(ids, grads)
         if state:
             optimizer = self._optimizer
@@ -398,6 +425,16 @@ class RowOptimizer(TableOptimizer):
             stepped = optimizer.state.pop(rows, {})
             self._optimizer.param_groups[0]["params"] = [self._placeholder]
         self.finish(ids, rows, stepped)
+
+    def _step_in_one_pass(self, ids: torch.Tensor, grads: torch.Tensor) -> bool:
+        """The compiled one-pass step; False (nothing done) if the state is not laid out for it."""
+        assert ids.dim() == 1 and grads.shape == (ids.numel(), self.weight.shape[1])
+        self.group.spec.check_live(self.param_group, f"table {self.name!r}")
+        self.drop_placeholder_state()
+        if not self._rows and not self._table:
+            self._allocate()
+        spec = self.group.spec
+        return row_pass.step_adam(self.weight, self._rows, self._table, ids, grads, self.param_group, spec.fixed)
 
     def prepare(self, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """``(rows, their gradient, their torch.optim state)`` (empty state before the table's first step)."""

@@ -40,7 +40,7 @@ from overlap_optim._private import foreach
 from overlap_optim.fused import fused_step
 from overlap_optim.spec import OptimizerSpec
 
-__all__ = ["virtual_key", "multi_tensor_step", "MULTI_TENSOR", "LocalState"]
+__all__ = ["virtual_key", "multi_tensor_step", "step_counters", "MULTI_TENSOR", "LocalState"]
 
 VirtualKey = tuple[Any, ...]
 _OPT_OUT = ("foreach", "fused", "capturable", "differentiable")
@@ -73,7 +73,7 @@ def multi_tensor_step(
         params, grads = [p.to_local() for p in params], [g.to_local() for g in grads]
     fixed = spec.fixed
     with torch.no_grad():
-        if fused_step(spec.optimizer_class, fixed, params, grads, states, hypers, _step_counters, _state):
+        if fused_step(spec.optimizer_class, fixed, params, grads, states, hypers, step_counters, _state):
             return
         if fixed.get("maximize"):
             grads = foreach.neg(grads)
@@ -147,10 +147,10 @@ def _state(states: list[dict], params: list[torch.Tensor], name: str, fill: list
 
 def _steps(states: list[dict]) -> list[float]:
     """Advance every ``step`` counter (made as torch makes it) and return the new values."""
-    return [float(c) for c in _step_counters(states)]
+    return [float(c) for c in step_counters(states)]
 
 
-def _step_counters(states: list[dict]) -> list[torch.Tensor]:
+def step_counters(states: list[dict]) -> list[torch.Tensor]:
     """Advance every ``step`` counter (made as torch makes it) and return the counters."""
     for state in states:
         if "step" not in state:

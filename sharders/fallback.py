@@ -28,7 +28,7 @@ from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from overlap_optim.clipping import GradientClipping
-from overlap_optim.update import DenseTableOptimizer, RowOptimizer, TableOptimizer, step_tables
+from overlap_optim.update import DenseTableOptimizer, RowOptimizer, TableOptimizer, step_tables, step_touched, sum_rows
 from sharders import _private
 from sharders.kernels import Accumulation, BuildContext, KernelKind, LocalShard, TableKernel
 from sharders.pooling import is_pooled, unpooled_lookup, value_grads
@@ -113,7 +113,9 @@ class LazyTable(FallbackTable):
         return RowOptimizer(weight, self.group, self.table)
 
     def runs_as(self) -> str:
-        return "fallback: torch.optim on touched rows"
+        # Adam on a float32 CPU table: in one compiled pass where the extension is built (overlap_optim.row_pass)
+        one_pass = bool(self.shards) and all(shard.state.one_pass for shard in self.shards)
+        return "fallback: torch.optim on touched rows" + (", in one compiled pass" if one_pass else "")
 
 
 class DenseTable(FallbackTable):
@@ -220,16 +222,17 @@ class RowUpdates:
         instead, and the window's last micro-batch steps on the sums of all of them: a row is
         touched if any micro-batch touched it.
 
-        Without clipping, tables step as soon as their sums are made, a few at a time
+        Without clipping, tables step as soon as their gradients are read, a few at a time
         (:data:`STEP_BYTES`), so that one step's temporaries stay the size of a few tables'
-        touched rows, whatever the number of tables in the kernel."""
+        touched rows, whatever the number of tables in the kernel; a table that steps in one
+        compiled pass (:mod:`overlap_optim.row_pass`) sums its repeated ids as it goes."""
         dims = [r.weight.shape[1] for r in self.row_optimizers]
         features = value_grads(
             self.pooling_mode, self.layout.feature_table_map, dims, grad_out, indices, offsets, weights
         )
-        sums = self._row_sums(features, indices, grad_out)
+        touched = self._row_grads(features, indices, grad_out)
         if self.accumulation.active or self.clipping is not None:
-            by_table = dict(sums)
+            by_table = {table: sum_rows(ids, grads) for table, ids, grads in touched}
             sums_in_order = [by_table[t] for t in range(len(self.row_optimizers))]
             if self.accumulation.active:
                 self.window = [sums_in_order]  # the window so far, summed: it holds each touched row once
@@ -240,44 +243,40 @@ class RowUpdates:
             self.clipping.clip([u[2] for u in updates], lambda: step_tables(updates))
             return
         chunk, size = [], 0
-        for table, (unique, summed) in sums:
-            chunk.append((self.row_optimizers[table], unique, summed))
-            size += summed.numel() * summed.element_size()
+        for table, ids, grads in touched:
+            chunk.append((self.row_optimizers[table], ids, grads))
+            size += grads.numel() * grads.element_size()
             if size >= STEP_BYTES:
-                step_tables(chunk)  # one multi-tensor update per virtual group of the chunk's tables
+                step_touched(chunk)  # one pass, or one multi-tensor update per virtual group of the chunk
                 chunk, size = [], 0
         if chunk:
-            step_tables(chunk)
+            step_touched(chunk)
         self.window = []
 
-    def _row_sums(
+    def _row_grads(
         self, features: Iterator[tuple[torch.Tensor, torch.Tensor, int]], indices: torch.Tensor, grad_out: torch.Tensor
-    ) -> Iterator[tuple[int, tuple[torch.Tensor, torch.Tensor]]]:
-        """``(table, (unique row ids, their summed gradients))`` for every table of the kernel, once
-        each, as soon as its last feature is read; the open window's sums are included."""
+    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """``(table, row ids, a gradient per id)`` for every table of the kernel, once each, as
+        soon as its last feature is read; ids may repeat. The open window's sums are included."""
         last = {table: f for f, table in enumerate(self.layout.feature_table_map)}
         parts = {t: [window[t] for window in self.window] for t in range(len(self.row_optimizers))}
         for f, (ids, grads, table) in enumerate(features):
             parts[table].append((ids, grads))
             if last[table] == f:
-                yield table, _summed(parts.pop(table), indices, grad_out, self.row_optimizers[table].weight.shape[1])
+                yield table, *_joined(parts.pop(table), indices, grad_out, self.row_optimizers[table].weight.shape[1])
         for table in sorted(parts):  # tables no feature of this batch reached (an empty batch)
-            yield table, _summed(parts.pop(table), indices, grad_out, self.row_optimizers[table].weight.shape[1])
+            yield table, *_joined(parts.pop(table), indices, grad_out, self.row_optimizers[table].weight.shape[1])
 
 
-def _summed(
+def _joined(
     parts: list[tuple[torch.Tensor, torch.Tensor]], indices: torch.Tensor, grad_out: torch.Tensor, dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(unique ids, the sum of each id's gradients) over ``parts`` of (ids, gradients)."""
+    """(ids, their gradients) of ``parts`` of (ids, gradients), in one pair."""
     if len(parts) == 1:  # most often: one feature per table, no window; no copy
-        ids, grads = parts[0]
-    else:
-        ids = torch.cat([p[0] for p in parts]) if parts else indices.new_zeros(0)
-        grads = torch.cat([p[1] for p in parts]) if parts else grad_out.new_zeros(0, dim)
-    unique, inverse = torch.unique(ids, return_inverse=True)
-    summed = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype, device=grads.device)
-    summed.index_add_(0, inverse, grads)
-    return unique, summed
+        return parts[0]
+    ids = torch.cat([p[0] for p in parts]) if parts else indices.new_zeros(0)
+    grads = torch.cat([p[1] for p in parts]) if parts else grad_out.new_zeros(0, dim)
+    return ids, grads
 
 
 class FallbackEmbeddingBag(BatchedDenseEmbeddingBag):

@@ -15,6 +15,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec import KeyedJaggedTensor
 
 import sharders
+from sharders.describe import kernel_rows
 from _models import ROWS, concat_batches, loss_of
 from _sharded_parity import FAMILIES, build
 
@@ -129,13 +130,22 @@ def _diffs(pieces, reference: Reference, names) -> dict[str, float]:
     return out
 
 
-def lazy_run(rank: int, world_size: int, sharding_type: str, family: str = "ebc") -> dict:
+def lazy_run(rank: int, world_size: int, sharding_type: str, family: str = "ebc", one_pass: bool = True) -> dict:
     """Train ours and three references side by side for STEPS steps; per step, how far ours is
     from each (``diff``: the torch sparse optimizers; ``plain_diff``: SparseAdam with eps not
-    rescaled; ``dense_diff``: torch.optim.Adam on dense gradients) and which rows moved."""
+    rescaled; ``dense_diff``: torch.optim.Adam on dense gradients) and which rows moved.
+    ``one_pass=False``: as where the compiled one-pass extension was not built."""
+    import overlap_optim.row_pass
+
     settings = [CASES[n][0] for n in NAMES]
     sharder = FAMILIES[family][1](fallback_tables=list(PINNED))
-    dmp, start_model, _ = build(NAMES, settings, sharding_type, world_size, sharder=sharder, family=family)
+    kernel = overlap_optim.row_pass._ADAM_ROWS
+    if not one_pass:
+        overlap_optim.row_pass._ADAM_ROWS = None
+    try:
+        dmp, start_model, _ = build(NAMES, settings, sharding_type, world_size, sharder=sharder, family=family)
+    finally:
+        overlap_optim.row_pass._ADAM_ROWS = kernel
     kernels = {}
     for module in dmp.modules():
         for name, decision in (getattr(sharders.plan_of(module), "tables", None) or {}).items():
@@ -150,7 +160,8 @@ def lazy_run(rank: int, world_size: int, sharding_type: str, family: str = "ebc"
     dense = Reference(start_model, dense_opts, dense_tables=ADAM_TABLES)
 
     start = {n: main.weight(n).clone() for n in NAMES}
-    out = {"kernels": kernels, "steps": [], "moved": {}, "layouts": {}, "dense_layouts": {}}
+    out = {"kernels": kernels, "steps": [], "moved": {}, "layouts": {}, "dense_layouts": {},
+           "one_pass": sorted(n for row in kernel_rows(dmp) if "one compiled pass" in row[6] for n in row[4].split(", "))}
     for step in range(STEPS):
         parts, rows = partial_batches(step, world_size)
         global_batch = concat_batches(parts)

@@ -55,27 +55,34 @@ def dense_per_layer(rank, world_size, steps=4):
     return min((q.detach() - s).abs().max().item() for q, s in zip(reference.parameters(), start))
 
 
-def fallback_tables(rank, world_size, sharding_type, steps=4, step_bytes=None):
+def fallback_tables(rank, world_size, sharding_type, steps=4, step_bytes=None, one_pass=True):
     """6 Adam tables, 6 lrs and one LambdaLR lambda each, on batches that touch every row (the
     reference is dense torch.optim; the lazy rule is tested in test_lazy_reference.py):
     (how far each reference table moved, this rank's describe() rows, the tables of each
-    ``step_tables`` call). ``step_bytes``: the kernel's chunk size (``sharders.fallback.STEP_BYTES``)."""
+    ``step_touched`` call, whether they stepped in one compiled pass). ``step_bytes``: the
+    kernel's chunk size (``sharders.fallback.STEP_BYTES``); ``one_pass=False``: as where the
+    extension was not built (the tables of a chunk then share one multi-tensor update)."""
+    import overlap_optim.row_pass
     import sharders.fallback
 
-    kept, original = sharders.fallback.STEP_BYTES, sharders.fallback.step_tables
-    chunks = []
+    kept, original, kernel = sharders.fallback.STEP_BYTES, sharders.fallback.step_touched, overlap_optim.row_pass._ADAM_ROWS
+    chunks, passes = [], set()
 
     def recording(updates):
         chunks.append(len(updates))
+        passes.update(table.one_pass for table, _, _ in updates)
         return original(updates)
 
-    sharders.fallback.step_tables = recording
+    sharders.fallback.step_touched = recording
     if step_bytes is not None:
         sharders.fallback.STEP_BYTES = step_bytes
+    if not one_pass:
+        overlap_optim.row_pass._ADAM_ROWS = None
     try:
-        return {**_fallback_tables(rank, world_size, sharding_type, steps), "chunks": chunks}
+        return {**_fallback_tables(rank, world_size, sharding_type, steps), "chunks": chunks, "one_pass": passes}
     finally:
-        sharders.fallback.STEP_BYTES, sharders.fallback.step_tables = kept, original
+        sharders.fallback.STEP_BYTES, sharders.fallback.step_touched = kept, original
+        overlap_optim.row_pass._ADAM_ROWS = kernel
 
 
 def _fallback_tables(rank, world_size, sharding_type, steps):

@@ -16,6 +16,9 @@ ids at all. Weights are compared after every step, within 2e-5:
 * Adagrad with lr_decay (fallback) == ``torch.optim.Adagrad`` on sparse gradients.
 * SGD (fused FBGEMM kernel, and pinned to the fallback) == ``torch.optim.SGD`` on sparse gradients.
 
+Adam runs in the compiled one pass (``overlap_optim.row_pass``) where it is built; the case
+``table_wise/no_extension`` runs it as where it is not, and is held to the same reference.
+
 Rows a batch leaves untouched keep their weights exactly (ours and the reference's), and the
 per-table step counter advances on every step, touched or not, as torch's does. Mutation
 check: torch.optim.Adam on dense gradients (dense semantics) differs by far more than the
@@ -44,6 +47,8 @@ DENSE_ADAM_AT_LEAST = 1e-2
 
 
 RANK_CASES = {st: partial(lazy_run, sharding_type=st) for st in SHARDING_TYPES}  # one spawned group
+RANK_CASES["table_wise/no_extension"] = partial(lazy_run, sharding_type="table_wise", one_pass=False)
+ALL_CASES = tuple(RANK_CASES)
 
 
 @pytest.fixture(scope="module")
@@ -73,17 +78,22 @@ def test_sparse_adam_with_rescaled_eps_is_adam():
         assert (adam_w - plain_w).abs().max().item() >= 1e-3, t  # measured 2.1e-3 .. 2.7e-3
 
 
-@pytest.mark.parametrize("case", SHARDING_TYPES)
+@pytest.mark.parametrize("case", ALL_CASES)
 def test_kernels_and_gradient_layouts_are_the_ones_under_test(results, case):
+    from overlap_optim import row_pass
+
     expected = {"adam_eps_tiny": "fallback", "adam": "fallback", "adagrad_lr_decay": "fallback",
                 "sgd_fused": "fused", "sgd_fallback": "fallback"}
+    one_pass = sorted(ADAM_TABLES) if row_pass.available() and not case.endswith("no_extension") else []
     for out in results[case]:
         assert out["kernels"] == {n: (k, "lazy") for n, k in expected.items()}, case
         assert set(out["layouts"].values()) == {"torch.sparse_coo"}, out["layouts"]
         assert {n: out["dense_layouts"][n] for n in ADAM_TABLES} == dict.fromkeys(ADAM_TABLES, "torch.strided")
+    held = sorted({n for out in results[case] for n in out["one_pass"]})  # each rank names the tables it holds
+    assert held == one_pass, held  # only Adam has the compiled pass
 
 
-@pytest.mark.parametrize("case", SHARDING_TYPES)
+@pytest.mark.parametrize("case", ALL_CASES)
 def test_batches_touch_a_third_of_the_rows_and_untouched_rows_keep_their_weights(results, case):
     for out in results[case]:
         seen = {n: set() for n in NAMES}
@@ -108,7 +118,7 @@ def test_a_row_wise_shard_sits_idle_when_the_batch_touches_only_the_other(result
     assert all(sorted(counts) == [0, TOUCHED] for counts in idle), idle
 
 
-@pytest.mark.parametrize("case", SHARDING_TYPES)
+@pytest.mark.parametrize("case", ALL_CASES)
 @pytest.mark.parametrize("name", NAMES)
 def test_matches_torch_sparse_optimizer_after_every_step(results, case, name):
     worst = _worst(results, case, "diff", name)
@@ -121,7 +131,7 @@ def test_plain_sparse_adam_at_default_eps_differs_by_its_eps_placement(results, 
     assert PLAIN_SPARSE_ADAM_AT_LEAST <= worst <= PLAIN_SPARSE_ADAM_AT_MOST, f"{case}: {worst:.3g}"
 
 
-@pytest.mark.parametrize("case", SHARDING_TYPES)
+@pytest.mark.parametrize("case", ALL_CASES)
 @pytest.mark.parametrize("name", ADAM_TABLES)
 def test_dense_adam_differs_so_a_dense_implementation_would_fail(results, case, name):
     first = _worst(results, case, "dense_diff", name, steps=[0])

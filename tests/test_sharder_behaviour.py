@@ -46,7 +46,11 @@ def test_one_kernel_per_distinct_setting_and_describe_says_why(results, case):
     assert tables == [f"t{i}" for i in range(6)]
     assert sum("fused EXACT_SGD" in r for r in rows) == 2
     assert sum("fused EXACT_ADAGRAD" in r for r in rows) == 1
+    from overlap_optim import row_pass
+
     docs = (Path(__file__).resolve().parents[1] / "docs" / "optimizers.md").read_text()
+    if not row_pass.available():  # the docs show the output where the one-pass extension is built
+        docs = docs.replace(", in one compiled pass", "")
     assert six in docs, "docs/optimizers.md shows an outdated describe() output"
     fallback = [r for r in rows if "fallback" in r]
     assert len(fallback) == 3

@@ -98,6 +98,7 @@ def ranks(request):
         "dense": dense_per_layer,
         **{f"fallback/{st}": partial(fallback_tables, sharding_type=st) for st in ("table_wise", "row_wise")},
         "fallback/row_wise/table_by_table": partial(fallback_tables, sharding_type="row_wise", step_bytes=1),
+        "fallback/row_wise/no_extension": partial(fallback_tables, sharding_type="row_wise", one_pass=False),
         "ops": optimizer_ops_per_bucket,
     }
     return run_cases(cases, selected_cases(request, cases), timeout=600)
@@ -108,14 +109,19 @@ def test_per_layer_lrs_with_a_lambda_each_match_torch_adam_with_48_param_groups(
     assert all(moved > 1e-3 for moved in ranks[case]), ranks[case]  # compared every step in the ranks
 
 
-@pytest.mark.parametrize("case", ["fallback/table_wise", "fallback/row_wise", "fallback/row_wise/table_by_table"])
+@pytest.mark.parametrize("case", ["fallback/table_wise", "fallback/row_wise", "fallback/row_wise/table_by_table",
+                                  "fallback/row_wise/no_extension"])
 def test_six_fallback_tables_with_six_lrs_share_one_kernel_and_match_torch_optim(ranks, case):
+    from overlap_optim import row_pass
+
     for run in ranks[case]:
         # the kernel's tables step together while their rows are few (sharders.fallback.STEP_BYTES),
         # one at a time when each table's rows pass it; exact either way (compared every step)
-        per_backward = [6] if case == "fallback/row_wise" else [1] * 6 if case.endswith("table_by_table") else None
+        per_backward = [1] * 6 if case.endswith("table_by_table") else None if case.endswith("table_wise") else [6]
         if per_backward is not None:
             assert run["chunks"] == per_backward * 4, run["chunks"]
+        # Adam steps in one compiled pass where the extension is built; exact either way
+        assert run["one_pass"] == {row_pass.available() and not case.endswith("no_extension")}, run["one_pass"]
         assert min(run["moved"].values()) > 1e-3, run["moved"]
         fallback = [row for row in run["rows"] if row[6].startswith("fallback")]
         assert len(fallback) == 1, run["rows"]  # one kernel per sharding group on this rank
