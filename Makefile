@@ -2,8 +2,8 @@
 # The stack is installed explicitly: torchrec's metadata asks for the CUDA
 # fbgemm-gpu, which would overwrite fbgemm-gpu-cpu, so torchrec and this package
 # go in with --no-deps. Every package is pinned in requirements/constraints.txt.
-# Installing this package also builds its optional C++ one-pass row update
-# (overlap_optim/csrc) with the system's C++ compiler; without one it is skipped.
+# Installing this package also builds its optional C++ operators (overlap_optim/csrc)
+# with the system's C++ compiler; without one they are skipped.
 
 PYTHON ?= python3
 VENV := .venv
@@ -28,8 +28,8 @@ $(STAMP): setup.py Makefile $(wildcard requirements/*.txt) $(wildcard overlap_op
 	@$(PY) -m pip list 2>/dev/null | grep -qiE '^fbgemm[-_]gpu ' && \
 		{ echo "error: the CUDA fbgemm-gpu got installed and breaks fbgemm-gpu-cpu; run: make clean env"; exit 1; } || true
 	$(PY) -c "import torchrec, fbgemm_gpu, overlap_optim, sharders"
-	@$(PY) -c "from overlap_optim import row_pass; print('one-pass row update (Adam fallback tables):', \
-		'built' if row_pass.available() else 'not built (no C++ compiler?): the slower pure-torch path runs')"
+	@$(PY) -c "from overlap_optim import compiled; print('compiled operators (overlap_optim/csrc):', \
+		'built' if compiled.available() else 'not built (no C++ compiler?): the slower pure-torch paths run')"
 	@touch $(STAMP)
 
 demo: $(STAMP)
@@ -43,4 +43,4 @@ constraints: $(STAMP)
 	  $(PY) -m pip freeze --exclude-editable 2>/dev/null | sed 's/+cpu//'; } > requirements/constraints.txt
 
 clean:
-	rm -rf $(VENV) build overlap_optim/_row_pass*.so
+	rm -rf $(VENV) build overlap_optim/_compiled*.so

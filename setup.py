@@ -5,9 +5,9 @@ Install through ``make`` (see README). torchrec's metadata asks for the CUDA
 stack explicitly and this package with ``--no-deps``. The pins live in
 ``requirements/``; this file reads them so there is one list.
 
-The compiled one-pass row update (``overlap_optim/csrc``, :mod:`overlap_optim.row_pass`) is built
-here, with torch's own extension builder, when torch and a C++ compiler are present. It is
-optional: without it the fallback kernel runs its pure-torch path, and the install succeeds.
+The compiled operators (``overlap_optim/csrc``, :mod:`overlap_optim.compiled`) are built here,
+with torch's own extension builder, when torch and a C++ compiler are present. They are
+optional: without them every caller runs its pure-torch path, and the install succeeds.
 """
 
 from pathlib import Path
@@ -15,6 +15,7 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 _REQ = Path(__file__).parent / "requirements"
+_CSRC = Path(__file__).parent / "overlap_optim" / "csrc"
 
 
 def _extensions() -> tuple[list, dict]:
@@ -27,7 +28,7 @@ def _extensions() -> tuple[list, dict]:
     # -fno-math-errno: sqrt need not set errno, so it vectorizes; no result changes.
     flags = ["-O3", "-fopenmp", "-fno-math-errno"]
     extension = CppExtension(
-        "overlap_optim._row_pass", ["overlap_optim/csrc/row_pass.cpp"],
+        "overlap_optim._compiled", [f"overlap_optim/csrc/{p.name}" for p in sorted(_CSRC.glob("*.cpp"))],
         extra_compile_args=flags, extra_link_args=["-fopenmp"], optional=True,
     )
     return [extension], {"build_ext": BuildExtension.with_options(use_ninja=False)}

@@ -4,7 +4,7 @@ The lazy fallback update (:class:`overlap_optim.update.RowOptimizer`) otherwise 
 passes over the touched rows: it sums the gradients of duplicate ids, gathers the rows of the
 weight and of each moment, steps them with ``torch.optim``'s math, and scatters them back. On a
 table larger than cache those gathers and scatters are most of a step. The operator
-``overlap_optim::adam_rows_`` (``overlap_optim/csrc/row_pass.cpp``, built by ``setup.py``) does
+``overlap_optim::adam_rows_`` (``overlap_optim/csrc/row_pass.cpp``, :mod:`overlap_optim.compiled`) does
 the same in one pass: each touched row is read once, its gradients summed, stepped with
 ``torch.optim``'s single-tensor Adam arithmetic, and written back in place.
 
@@ -22,13 +22,11 @@ does, and the bias corrections are computed here in Python as it computes them.
 
 from __future__ import annotations
 
-import importlib.machinery
-import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from overlap_optim import compiled
 from overlap_optim.spec import OptimizerSpec
 from overlap_optim.virtual_groups import step_counters, virtual_key
 
@@ -37,27 +35,11 @@ __all__ = ["available", "applies", "step_adam"]
 _ADAM = (torch.optim.Adam, torch.optim.AdamW)
 
 
-def _load() -> Any:
-    """The operator, or None where the extension was not built (or does not load: warned)."""
-    here = Path(__file__).parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        library = here / f"_row_pass{suffix}"
-        if library.exists():
-            try:
-                torch.ops.load_library(str(library))
-            except OSError as error:  # built against another torch, say
-                warnings.warn(f"overlap_optim: {library} does not load ({error}); Adam fallback tables take the "
-                              "slower gather-step-scatter path. Rebuild it: make clean env", stacklevel=2)
-                return None
-            return torch.ops.overlap_optim.adam_rows_
-    return None
-
-
-_ADAM_ROWS = _load()
+_ADAM_ROWS = compiled.op("adam_rows_")
 
 
 def available() -> bool:
-    """Whether the compiled extension was built and loaded."""
+    """Whether the compiled one pass was built and loaded."""
     return _ADAM_ROWS is not None
 
 

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from overlap_optim import compiled
 from overlap_optim._private import foreach
 from overlap_optim.fused import fused_step
 from overlap_optim.spec import OptimizerSpec
@@ -44,6 +45,7 @@ __all__ = ["virtual_key", "multi_tensor_step", "step_counters", "MULTI_TENSOR", 
 
 VirtualKey = tuple[Any, ...]
 _OPT_OUT = ("foreach", "fused", "capturable", "differentiable")
+_ADD_ONE = compiled.op("add_one_")
 
 
 def virtual_key(spec: OptimizerSpec, param_group: dict[str, Any], tensor: torch.Tensor) -> VirtualKey | None:
@@ -151,12 +153,15 @@ def _steps(states: list[dict]) -> list[float]:
 
 
 def step_counters(states: list[dict]) -> list[torch.Tensor]:
-    """Advance every ``step`` counter (made as torch makes it) and return the counters."""
+    """Advance every ``step`` counter (made as torch makes it) and return the counters: in one
+    compiled call where the library is built (:mod:`overlap_optim.compiled`; the same float32
+    ``+ 1``), else as torch.optim does, one foreach add."""
     for state in states:
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
     counters = [s["step"] for s in states]
-    foreach.add_(counters, 1)
+    if _ADD_ONE is None or not _ADD_ONE(counters):
+        foreach.add_(counters, 1)
     return counters
 
 

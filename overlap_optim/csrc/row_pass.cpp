@@ -10,7 +10,8 @@
 // them. Rounding may differ from torch's in the last bit, where ATen's vectorized lerp fuses a
 // multiply-add, as torch's own fused kernel differs from its single-tensor path.
 //
-// Registered as the torch operator overlap_optim::adam_rows_; loaded by overlap_optim/row_pass.py.
+// Registered as the torch operator overlap_optim::adam_rows_ (overlap_optim/compiled.py loads the
+// library); called by overlap_optim/row_pass.py.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -147,7 +148,7 @@ void adam_rows_(const at::Tensor& weight, const at::Tensor& exp_avg, const at::T
 
 }  // namespace
 
-TORCH_LIBRARY(overlap_optim, m) {
+TORCH_LIBRARY_FRAGMENT(overlap_optim, m) {
   m.def(
       "adam_rows_(Tensor(a!) weight, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor(d!)? max_exp_avg_sq, "
       "Tensor ids, Tensor grads, float lr, float beta1, float beta2, float eps, float weight_decay, "
