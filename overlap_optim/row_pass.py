@@ -80,7 +80,7 @@ def step_adam(weight: torch.Tensor, rows: dict[str, torch.Tensor], table: dict[s
     bias_correction2_sqrt = (1 - beta2**step) ** 0.5
     _ADAM_ROWS(
         weight, rows["exp_avg"], rows["exp_avg_sq"], rows.get("max_exp_avg_sq") if fixed.get("amsgrad") else None,
-        ids.to(torch.long).contiguous(), grads.to(torch.float32).contiguous(), lr, beta1, beta2, eps, weight_decay, step_size,
-        bias_correction2_sqrt, bool(fixed.get("decoupled_weight_decay")), bool(fixed.get("maximize")),
+        ids.to(torch.long).contiguous(), grads.to(torch.float32).contiguous(), lr, beta1, beta2, eps, weight_decay,
+        step_size, bias_correction2_sqrt, bool(fixed.get("decoupled_weight_decay")), bool(fixed.get("maximize")),
     )
     return True

@@ -409,8 +409,10 @@ class RowOptimizer(TableOptimizer):
     def step(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """See :meth:`TableOptimizer.step`; in one pass (:attr:`one_pass`), ``ids`` may also
         repeat, each id's gradients summed in the order given."""
-        if self.one_pass and self._step_in_one_pass(ids, grads):
-            return
+        if self.one_pass:
+            if self._step_in_one_pass(ids, grads):
+                return
+            ids, grads = sum_rows(ids, grads)  # the other path takes each id once
         rows, rows.grad, state = self.prepare(ids, grads)
         if state:
             optimizer = self._optimizer

@@ -100,20 +100,21 @@ def test_a_tensor_lr_and_an_empty_batch_step_as_torch_does(path):
 
 def test_state_not_laid_out_for_the_kernel_takes_the_other_path_and_stays_exact(path):
     """A loaded moment that is not contiguous (a transposed copy, say) is stepped by the
-    gather-step-scatter path, with the same result."""
-    torch.manual_seed(0)
-    weight = torch.randn(8, 3)
+    gather-step-scatter path, with the same result, repeated ids included."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(8, 3, generator=generator)
     reference = torch.nn.Parameter(weight.clone())
     rows = _rows(weight, torch.optim.Adam, {"lr": 0.1}, path)
     torch_opt = torch.optim.Adam([reference], lr=0.1)
     for step in range(3):
-        grad = torch.randn(8, 3)
+        ids = _repeated_ids(8, generator)
+        grads = torch.randn(ids.numel(), 3, generator=generator)
         if step == 1:
             state = {k: (v.t().contiguous().t() if k != "step" else v) for k, v in rows.state.items()}
             assert not state["exp_avg"].is_contiguous()
             rows.load_state(state)
-        rows.step(torch.arange(8), grad)
-        reference.grad = grad
+        rows.step(ids, grads) if rows.one_pass else rows.step(*_summed(ids, grads))
+        reference.grad = torch.zeros(8, 3).index_add_(0, ids, grads)
         torch_opt.step()
         torch.testing.assert_close(weight, reference.detach(), msg=f"step {step}")
 
