@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from overlap_optim import _private
-from overlap_optim.clipping import GradientClipping, clipping_of, join_clipping
+from overlap_optim.clipping import GradientClipping, clipping_of, join_clipping, taken_by
 from overlap_optim.spec import AnnotationGroup, describe_optimizer, needs_closure
 from overlap_optim.update import live_optimizer, step_when_ready
 
@@ -77,8 +77,9 @@ def apply_optimizer_in_backward(
             not a constructor argument, or a param is not a tensor.
         ValueError: the optimizer rejects a value, it cannot step without a
             closure, ``params`` is empty or holds a tensor that does not
-            require grad, a param is annotated differently already, or a
-            group option is a constructor argument.
+            require grad, a param is annotated differently already or is run
+            by a DDP hook or a sharder already, or a group option is a
+            constructor argument.
         NotImplementedError: the optimizer's ``step()`` keeps a name both in
             its param group and per parameter (see :mod:`overlap_optim.spec`).
 
@@ -92,6 +93,7 @@ def apply_optimizer_in_backward(
     options = _check_group_options(optimizer_class, group_options)
     params = _check_params(params)
     spec = describe_optimizer(optimizer_class, kwargs, {p.dim(): p.dtype for p in params}, options)
+    _check_not_taken(params)
     _check_not_annotated(params, optimizer_class, kwargs, replace)
 
     group = AnnotationGroup(spec)
@@ -295,6 +297,18 @@ def _check_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
             )
         unique[id(p)] = p
     return list(unique.values())
+
+
+def _check_not_taken(params: list[torch.Tensor]) -> None:
+    """A parameter whose update a DDP hook or a sharder runs took its annotation then; annotated
+    now, it would also step from its own hook, on its local gradient."""
+    for i, p in enumerate(params):
+        by = taken_by(p)
+        if by is not None:
+            raise ValueError(
+                f"params[{i}] (shape {tuple(p.shape)}) is already run by {by}, which took its annotation when "
+                "it was set up: annotate before DistributedModelParallel, the sharder or register_optimizer_hook"
+            )
 
 
 def _check_not_annotated(

@@ -49,7 +49,7 @@ from overlap_optim import _private
 from overlap_optim.accumulation import accumulating
 from overlap_optim.round import EndOfBackwardRound, Phase
 
-__all__ = ["GradientClipping", "apply_gradient_clipping", "clipping_of", "mark_taken", "join_clipping"]
+__all__ = ["GradientClipping", "apply_gradient_clipping", "clipping_of", "mark_taken", "taken_by", "join_clipping"]
 
 _ATTR = "_overlap_clip"
 _TAKEN: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
@@ -74,6 +74,11 @@ def mark_taken(params: Iterable[torch.Tensor], by: str) -> None:
     for param in params:
         _TAKEN[id(param)] = param
         _TAKEN_BY[id(param)] = by
+
+
+def taken_by(param: torch.Tensor) -> str | None:
+    """What runs ``param``'s update since :func:`mark_taken` (a DDP hook, a sharder), or None."""
+    return _TAKEN_BY[id(param)] if _TAKEN.get(id(param)) is param else None
 
 
 class GradientClipping:
@@ -383,9 +388,9 @@ def _check_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     if not unique:
         raise ValueError("params is empty: pass at least one parameter to clip")
     for i, p in enumerate(unique.values()):
-        if id(p) in _TAKEN and _TAKEN[id(p)] is p:
+        if taken_by(p) is not None:
             raise ValueError(
-                f"params[{i}] (shape {tuple(p.shape)}) is already run by {_TAKEN_BY[id(p)]}: declare gradient "
+                f"params[{i}] (shape {tuple(p.shape)}) is already run by {taken_by(p)}: declare gradient "
                 "clipping on the unsharded model, before DistributedModelParallel, the sharder or "
                 "register_optimizer_hook, as the annotations are"
             )

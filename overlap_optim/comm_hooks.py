@@ -34,7 +34,7 @@ import torch.distributed as dist
 from overlap_optim.clipping import GradientClipping
 from overlap_optim.round import EndOfBackwardRound, Phase
 from overlap_optim.accumulation import accumulating
-from overlap_optim.update import step_clipped, step_params
+from overlap_optim.update import StepPlan, step_clipped
 
 __all__ = [
     "OptimizerHookState",
@@ -64,7 +64,7 @@ class OptimizerHookState:
     """
 
     __slots__ = ("process_group", "world_size", "targets", "managed", "reduction", "local_sgd", "round",
-                 "pending", "running", "clips", "local_sums", "held_back", "views")
+                 "pending", "running", "clips", "local_sums", "held_back", "plans")
 
     def __init__(
         self,
@@ -88,7 +88,7 @@ class OptimizerHookState:
         self.local_sums: dict[int, torch.Tensor] = {}  # param id -> gradient kept local inside no_step
         # Whether no_step holds the update back; by default, whether it marks a bucket's parameters.
         self.held_back: Callable[[], bool] | None = None
-        self.views: dict[int, tuple[int, list[torch.Tensor]]] = {}  # bucket index -> (buffer address, gradients)
+        self.plans: dict[int, _BucketPlan] = {}  # bucket index -> its targets, gradient views and step plan
 
     def settle(self) -> None:
         """At the end of backward, first: wait for every bucket's reduction and update (or its
@@ -228,30 +228,45 @@ def step_bucket(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.Ten
     """Give each annotated target its view of the bucket's gradient and step them all (after
     clipping, if they are clipped); an unannotated parameter keeps its gradient, as under plain
     DDP. Returns the bucket's buffer."""
-    stepped = []
-    for param, grad in zip(bucket.parameters(), _gradients(state, bucket)):
-        targets = state.targets.get(id(param))
-        if targets is None:
-            _keep_averaged(param, grad)
-        for target, view in targets or ():
-            target.grad = view(grad)
-            stepped.append(target)
+    plan = _plan(state, bucket)
+    for param, grad in plan.kept:
+        _keep_averaged(param, grad)
     if state.clips:
-        step_clipped(stepped, replicated=True)
-    else:  # no managed parameter is clipped: skip asking each
-        step_params(stepped)
+        for target, grad in zip(plan.targets, plan.grads):
+            target.grad = grad
+        step_clipped(plan.targets, replicated=True)
+    else:  # no managed parameter is clipped: skip asking each, and hand the gradients over as they are
+        plan.steps.step(plan.grads)
     return bucket.buffer()
 
 
-def _gradients(state: OptimizerHookState, bucket: dist.GradBucket) -> list[torch.Tensor]:
-    """``bucket.gradients()``, made once per bucket buffer (about 1.6 us a view). The kept views
-    keep their buffer alive, so a buffer that DDP makes anew (when it rebuilds its buckets) lies
-    at another address and gets views of its own."""
-    address = bucket.buffer().data_ptr()
-    kept = state.views.get(bucket.index())
-    if kept is None or kept[0] != address:
-        kept = state.views[bucket.index()] = (address, bucket.gradients())
-    return kept[1]
+class _BucketPlan:
+    """One bucket buffer's targets and their gradient views, and how they step (a
+    :class:`~overlap_optim.update.StepPlan`), made once per buffer, not at every step. The kept views keep their buffer alive, so a buffer that DDP makes anew (when
+    it rebuilds its buckets) lies at another address and gets a plan of its own."""
+
+    __slots__ = ("address", "kept", "targets", "grads", "steps")
+
+    def __init__(self, state: OptimizerHookState, bucket: dist.GradBucket) -> None:
+        self.address = bucket.buffer().data_ptr()
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # unannotated: (param, averaged gradient)
+        self.targets: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []
+        for param, grad in zip(bucket.parameters(), bucket.gradients()):
+            targets = state.targets.get(id(param))
+            if targets is None:
+                self.kept.append((param, grad))
+            for target, view in targets or ():
+                self.targets.append(target)
+                self.grads.append(view(grad))
+        self.steps = StepPlan(self.targets)
+
+
+def _plan(state: OptimizerHookState, bucket: dist.GradBucket) -> _BucketPlan:
+    plan = state.plans.get(bucket.index())
+    if plan is None or plan.address != bucket.buffer().data_ptr():
+        plan = state.plans[bucket.index()] = _BucketPlan(state, bucket)
+    return plan
 
 
 def _keep_averaged(param: torch.Tensor, grad: torch.Tensor) -> None:

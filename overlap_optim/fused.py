@@ -38,16 +38,19 @@ def fused_step(optimizer_class: type, fixed: dict[str, Any], params: list[torch.
     update = FUSED.get(optimizer_class)
     if update is None or not _fusable(params, states):
         return False
-    settings: dict[int, tuple] = {}  # the tensors of one annotation share their param group: read it once
+    # The tensors of one annotation share their param group: read each group once.
+    groups = [id(h) for h in hypers]
+    settings = {group: update.key(h) for group, h in dict(zip(groups, hypers)).items()}
+    counters = steps(states) if update.counts_steps else [None] * len(states)  # one call for all
+    if update.starts_state is None and len(set(settings.values())) == 1:
+        update(params, grads, states, counters, hypers[0], fixed, make_state)
+        return True
     by_setting: dict[tuple, list[int]] = {}
-    for i, h in enumerate(hypers):
-        key = settings.get(id(h))
-        if key is None:
-            key = settings[id(h)] = update.key(h)
+    for i, group in enumerate(groups):
+        key = settings[group]
         if update.starts_state is not None:
             key = (*key, update.starts_state(states[i]))
         by_setting.setdefault(key, []).append(i)
-    counters = steps(states) if update.counts_steps else [None] * len(states)  # one foreach add for all
     for index in by_setting.values():
         update([params[i] for i in index], [grads[i] for i in index], [states[i] for i in index],
                [counters[i] for i in index], hypers[index[0]], fixed, make_state)

@@ -110,6 +110,36 @@ def parity(rank, case, comm="allreduce", bucket_cap_mb=25.0, unannotated_bias=Fa
             "user_grad_ok": user_grad_ok}
 
 
+def reannotated(rank, world_size, steps=4, switch=2):
+    """Adam on every layer; after ``switch`` steps, annotating the middle layer anew (the same
+    optimizer, another one with ``replace=True``, or an unannotated parameter) is refused: the
+    parameter's own hook would step it again, on its local gradient. Nothing changed: training
+    goes on equal to the reference."""
+    ours, ref, ref_opts, user = _pair(CASES["adam"], bucket_cap_mb=0.0002, unannotated_bias=True)
+    start = copy.deepcopy(ref.module)
+    diffs, refusals = [], []
+    for step in range(steps):
+        if step == switch:
+            for cls, params, kwargs, replace in (
+                (torch.optim.Adam, ours.module[2].parameters(), {"lr": 0.01, "weight_decay": 0.01}, False),
+                (torch.optim.SGD, ours.module[2].parameters(), {"lr": 0.2}, True),
+                (torch.optim.SGD, [ours.module[4].bias], {"lr": 0.1}, False),
+            ):
+                try:
+                    apply_optimizer_in_backward(cls, params, kwargs, replace=replace)
+                except ValueError as error:
+                    refusals.append(str(error))
+        x, y = _data(step, rank)
+        for model in (ours, ref):
+            (model(x) - y).pow(2).mean().backward()
+        for opt in (*ref_opts, *user):
+            opt.step()
+            opt.zero_grad()
+        diffs.append(_max_diff(ours.module, ref.module))
+    return {"diffs": diffs, "moved": _max_diff(ref.module, start), "refusals": refusals,
+            "grads_none": all(p.grad is None for p in ours.parameters() if hasattr(p, "_overlap_group"))}
+
+
 def _warmup_then_decay(step: int) -> float:
     return (step + 1) / 3 if step < 3 else 0.5 ** (step - 2)
 
@@ -141,6 +171,7 @@ CHECKS = {
     "accumulate_3": partial(parity_case, case="adam", accumulate=3),
     "scheduled": partial(parity_case, case="three_lrs_two_classes", schedule=_warmup_then_decay, steps=6),
     "buckets_seen": bucket_count,
+    "reannotated": reannotated,
 }
 
 

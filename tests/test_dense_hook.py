@@ -18,12 +18,20 @@ def results(request):
     return run_cases(CHECKS, selected_cases(request, CHECKS), timeout=600)
 
 
-@pytest.mark.parametrize("case", [*CASES, "multi_bucket", "unannotated_bias", "accumulate_3", "scheduled"])
+@pytest.mark.parametrize("case", [*CASES, "multi_bucket", "unannotated_bias", "accumulate_3", "scheduled",
+                                  "reannotated"])
 def test_matches_plain_ddp_and_torch_optim_every_step(results, case):
     for outcome in results[case]:
         assert max(outcome["diffs"]) <= EXACT, outcome["diffs"]
         assert outcome["moved"] > 1e-3, "the reference did not move"
         assert outcome["grads_none"], "an annotated parameter kept its .grad after backward"
+
+
+@pytest.mark.parametrize("case", ["reannotated"])
+def test_annotating_a_parameter_the_hook_runs_is_refused_and_changes_nothing(results, case):
+    for outcome in results[case]:
+        assert len(outcome["refusals"]) == 3, outcome["refusals"]
+        assert all("already run by overlap_optim's DDP hook" in message for message in outcome["refusals"])
 
 
 @pytest.mark.parametrize("case", ["unannotated_bias"])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from overlap_optim import apply_optimizer_in_backward, get_optimizers
-from overlap_optim.update import step_params
+from overlap_optim.update import StepPlan, step_params
 from overlap_optim.virtual_groups import virtual_key
 
 SETTINGS = [
@@ -158,3 +158,66 @@ def test_a_fused_group_resumes_from_its_checkpoint_exactly():
         step(batch, (ours, reference))
         for p, q in zip(ours, reference):
             torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0, msg=f"batch {batch}")
+
+
+def test_a_plan_made_once_steps_as_torch_optim_through_lr_changes_and_a_checkpoint_load():
+    """A :class:`StepPlan` is made once and stepped again and again, as the DDP hook does per
+    bucket: an lr written by hand, and a checkpoint load that replaces every state dict, are
+    seen at the next step (the plan keeps no state and no setting)."""
+    ours = torch.nn.ParameterList(_params())
+    reference = copy.deepcopy(ours)
+    lrs = (0.01, 0.003, 0.02)
+    for i, lr in enumerate(lrs):
+        apply_optimizer_in_backward(torch.optim.Adam, list(ours)[i::3], {"lr": lr, "weight_decay": 0.1})
+    ref_opt = torch.optim.Adam([{"params": list(reference)[i::3], "lr": lr} for i, lr in enumerate(lrs)],
+                               weight_decay=0.1)
+    keyed = get_optimizers(ours)
+    plan = StepPlan(list(ours))
+    start = [q.detach().clone() for q in reference]
+
+    def step(batch, with_reference=True):
+        generator = torch.Generator().manual_seed(batch)
+        grads = [torch.randn(p.shape, generator=generator) for p in ours]
+        plan.step(grads)
+        assert all(p.grad is None for p in ours), "a virtual group needs no .grad"
+        if with_reference:
+            for q, g in zip(reference, grads):
+                q.grad = g
+            ref_opt.step()
+
+    for batch in range(2):
+        step(batch)
+    for mine, theirs in zip(keyed.param_groups, ref_opt.param_groups):
+        mine["lr"] = theirs["lr"] = theirs["lr"] * 0.5
+    step(2)
+    saved, weights = copy.deepcopy(keyed.state_dict()), copy.deepcopy(ours.state_dict())
+    step(99, with_reference=False)  # ours only: the load must undo it
+    ours.load_state_dict(weights)
+    keyed.load_state_dict(saved)
+    for batch in range(3, 5):
+        step(batch)
+        for p, q in zip(ours, reference):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7, msg=f"batch {batch}")
+    assert min((q.detach() - s).abs().max().item() for q, s in zip(reference, start)) > 1e-3
+
+
+def test_a_plan_follows_a_parameter_annotated_anew():
+    """Annotated anew (``replace=True``) after the plan was made, a parameter steps with its new
+    optimizer and settings: the plan is made again."""
+    ours = _params(4)
+    reference = copy.deepcopy(ours)
+    apply_optimizer_in_backward(torch.optim.Adam, ours, {"lr": 0.01})
+    ref_opts = [torch.optim.Adam(reference[:2], lr=0.01), torch.optim.Adam(reference[2:], lr=0.01)]
+    plan = StepPlan(ours)
+    for batch in range(3):
+        if batch == 1:
+            apply_optimizer_in_backward(torch.optim.SGD, ours[2:], {"lr": 0.3, "momentum": 0.9}, replace=True)
+            ref_opts[1] = torch.optim.SGD(reference[2:], lr=0.3, momentum=0.9)
+        grads = [torch.randn_like(p) for p in ours]
+        plan.step(grads)
+        for q, g in zip(reference, grads):
+            q.grad = g
+        for opt in ref_opts:
+            opt.step()
+        for p, q in zip(ours, reference):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7, msg=f"batch {batch}")
