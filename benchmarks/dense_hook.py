@@ -149,7 +149,7 @@ def _memory(rank: int, world_size: int, peer: str, layers: int, batch: int, step
 def run(quick: bool) -> dict:
     """Time at a small batch (optimizer cost dominates) and a large one (compute dominates)."""
     layers, batches = (6, (16,)) if quick else (150, (16, 256))
-    warmup, repeats = (1, 3) if quick else (5, 30)
+    warmup, repeats = (1, 3) if quick else (5, 60)
     timings, ratios = {}, {}
     for batch in batches:
         timed = run_ranks(_time, layers, batch, warmup, repeats, timeout=900)[0]

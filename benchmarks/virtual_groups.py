@@ -242,7 +242,7 @@ def _sparse(quick: bool) -> dict:
     rows = 2_000 if quick else 100_000
     batches = (64,) if quick else (128, 2048)
     pooling = 5
-    warmup, repeats = (1, 3) if quick else (5, 40)
+    warmup, repeats = (1, 3) if quick else (5, 100)
     models = {"new": _sharded_tables(rows, old=False), "old": _sharded_tables(rows, old=True)}
     with torch.no_grad():
         for new, old in zip(_table_weights(models["new"]), _table_weights(models["old"])):

@@ -26,15 +26,16 @@ annotated views it holds and to how its gradient splits among them.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from overlap_optim.clipping import GradientClipping
+from overlap_optim.clipping import GradientClipping, clipping_of
 from overlap_optim.round import EndOfBackwardRound, Phase
 from overlap_optim.accumulation import accumulating
-from overlap_optim.update import StepPlan, step_clipped
+from overlap_optim.update import StepPlan
 
 __all__ = [
     "OptimizerHookState",
@@ -225,41 +226,43 @@ REDUCTIONS: dict[str, Reduction] = {
 
 
 def step_bucket(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.Tensor:
-    """Give each annotated target its view of the bucket's gradient and step them all (after
-    clipping, if they are clipped); an unannotated parameter keeps its gradient, as under plain
-    DDP. Returns the bucket's buffer."""
+    """Step the annotated targets on their views of the bucket's gradient (after their clipping
+    set has clipped them, if they are clipped); an unannotated parameter keeps its gradient, as
+    under plain DDP. Returns the bucket's buffer."""
     plan = _plan(state, bucket)
     for param, grad in plan.kept:
         _keep_averaged(param, grad)
-    if state.clips:
-        for target, grad in zip(plan.targets, plan.grads):
-            target.grad = grad
-        step_clipped(plan.targets, replicated=True)
-    else:  # no managed parameter is clipped: skip asking each, and hand the gradients over as they are
-        plan.steps.step(plan.grads)
+    for clip, grads, steps in plan.sets:
+        if clip is None:
+            steps.step(grads)
+        else:  # every rank holds these averaged gradients alike
+            clip.clip(grads, functools.partial(steps.step, grads), replicated=True)
     return bucket.buffer()
 
 
 class _BucketPlan:
-    """One bucket buffer's targets and their gradient views, and how they step (a
-    :class:`~overlap_optim.update.StepPlan`), made once per buffer, not at every step. The kept views keep their buffer alive, so a buffer that DDP makes anew (when
-    it rebuilds its buckets) lies at another address and gets a plan of its own."""
+    """One bucket buffer's targets, their gradient views, and how they step: by clipping set (fixed
+    once the hook runs them: declaring clipping on them later is refused), each set's targets by a
+    :class:`~overlap_optim.update.StepPlan`. Made once per buffer, not at every step. The kept views
+    keep their buffer alive, so a buffer that DDP makes anew (when it rebuilds its buckets) lies at
+    another address and gets a plan of its own."""
 
-    __slots__ = ("address", "kept", "targets", "grads", "steps")
+    __slots__ = ("address", "kept", "sets")
 
     def __init__(self, state: OptimizerHookState, bucket: dist.GradBucket) -> None:
         self.address = bucket.buffer().data_ptr()
         self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # unannotated: (param, averaged gradient)
-        self.targets: list[torch.Tensor] = []
-        self.grads: list[torch.Tensor] = []
+        by_clip: dict[int, tuple[GradientClipping | None, list[torch.Tensor], list[torch.Tensor]]] = {}
         for param, grad in zip(bucket.parameters(), bucket.gradients()):
             targets = state.targets.get(id(param))
             if targets is None:
                 self.kept.append((param, grad))
             for target, view in targets or ():
-                self.targets.append(target)
-                self.grads.append(view(grad))
-        self.steps = StepPlan(self.targets)
+                clip = clipping_of(target)
+                _, members, grads = by_clip.setdefault(id(clip), (clip, [], []))
+                members.append(target)
+                grads.append(view(grad))
+        self.sets = [(clip, grads, StepPlan(members)) for clip, members, grads in by_clip.values()]
 
 
 def _plan(state: OptimizerHookState, bucket: dist.GradBucket) -> _BucketPlan:

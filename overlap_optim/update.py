@@ -5,8 +5,9 @@
   (:mod:`overlap_optim.clipping`), once its gradient is clipped.
 - :func:`step_param`: one parameter, its own ``torch.optim`` step with the
   group's current hyperparameters, then the gradient is released.
-- :func:`step_params`: many parameters at once; :func:`step_tables`: the
-  tables of one kernel at once.
+- :func:`step_params`: many parameters at once, as planned by a :class:`StepPlan`
+  (which a list stepped again and again, a DDP bucket's, keeps); :func:`step_tables`:
+  the tables of one kernel at once.
 - :class:`RowOptimizer`: the rows of a table that a batch touched (lazy);
   :class:`DenseTableOptimizer`: a whole table, untouched rows on a zero gradient.
 
@@ -33,7 +34,7 @@ from overlap_optim.spec import AnnotationGroup
 from overlap_optim.virtual_groups import VirtualKey, multi_tensor_step, virtual_key
 
 __all__ = [
-    "step_when_ready", "step_param", "step_params", "StepPlan", "step_clipped", "step_tables", "step_touched", "sum_rows", "live_optimizer", "init_placeholder_state", "load_param_state",
+    "step_when_ready", "step_param", "step_params", "StepPlan", "step_tables", "step_touched", "sum_rows", "live_optimizer", "init_placeholder_state", "load_param_state",
     "has_real_state", "drop_placeholder_state", "set_state_maker",
     "RowOptimizer", "DenseTableOptimizer", "TableOptimizer", "table_optimizer",
 ]
@@ -63,23 +64,6 @@ def step_when_ready(param: torch.Tensor) -> None:
         return
     clip.arm()
     clip.clip([param.grad], lambda: step_param(param))
-
-
-def step_clipped(params: list[torch.Tensor], *, replicated: bool) -> None:
-    """:func:`step_params` on ``params`` (each with ``.grad`` set), each after its clipping set
-    has clipped its gradient (now, or at the end of backward); ``replicated``: every rank
-    holds these gradients alike (DDP-averaged)."""
-    sets: dict[int, list[torch.Tensor]] = {}
-    for param in params:
-        clip = clipping_of(param)
-        sets.setdefault(-1 if clip is None else id(clip), []).append(param)
-    for key, members in sets.items():
-        if key == -1:
-            step_params(members)
-        else:
-            clipping_of(members[0]).clip(
-                [p.grad for p in members], lambda m=members: step_params(m), replicated=replicated
-            )
 
 
 def step_params(params: list[torch.Tensor]) -> None:

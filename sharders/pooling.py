@@ -88,7 +88,7 @@ def value_grads(
     for f, ((start, end), table) in enumerate(zip(spans, feature_table_map)):
         dim = dims[table]
         samples = bag_of_value[start:end] - f * batch
-        grads = grad_out[:, column : column + dim].contiguous().index_select(0, samples)
+        grads = grad_out[:, column : column + dim].index_select(0, samples)  # no copy of the columns first
         if weights is not None:
             grads = grads * weights[start:end, None]
         if pooling_mode == PoolingMode.MEAN:
