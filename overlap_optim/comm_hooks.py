@@ -9,9 +9,9 @@ A hook is two parts, composed by :func:`optimizer_hook`:
   compressed copy), and :func:`local_step_hook` (no reduction: a local step of
   local SGD). A new reduction is a new function and an entry in :data:`REDUCTIONS`.
 - the **step**, :func:`step_bucket`: the annotated optimizers of the bucket's
-  parameters step, in one foreach update per compatible set
-  (:mod:`overlap_optim.update`), so every rank applies the update one process
-  would on the global batch.
+  parameters step, one multi-tensor update per compatible set, grouped once per
+  bucket buffer (:class:`~overlap_optim.update.StepPlan`), so every rank applies
+  the update one process would on the global batch.
 
 When backward ends, the state's :class:`~overlap_optim.round.EndOfBackwardRound`
 first waits for every bucket (:meth:`OptimizerHookState.settle`); then clipping

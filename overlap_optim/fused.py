@@ -25,7 +25,7 @@ import torch
 
 from overlap_optim._private import fused
 
-__all__ = ["fused_step", "FUSED"]
+__all__ = ["fused_step", "applies", "FUSED"]
 
 
 def fused_step(optimizer_class: type, fixed: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
@@ -55,6 +55,15 @@ def fused_step(optimizer_class: type, fixed: dict[str, Any], params: list[torch.
         update([params[i] for i in index], [grads[i] for i in index], [states[i] for i in index],
                [counters[i] for i in index], hypers[index[0]], fixed, make_state)
     return True
+
+
+def applies(optimizer_class: type, tensor: torch.Tensor) -> bool:
+    """Whether a fused kernel here can update ``tensor``: a class with one, a float32 CPU tensor
+    (not a DTensor: torch's fused kernels have no DTensor rule), float32 the default dtype. The
+    ``step`` counters are checked at each step (:func:`fused_step`)."""
+    return (optimizer_class in FUSED and type(tensor) in (torch.Tensor, torch.nn.Parameter)
+            and tensor.device.type == "cpu" and tensor.dtype == torch.float32
+            and torch.get_default_dtype() == torch.float32)
 
 
 def _fusable(params: list[torch.Tensor], states: list[dict[str, Any]]) -> bool:

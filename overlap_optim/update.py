@@ -31,7 +31,8 @@ from overlap_optim import row_pass
 from overlap_optim.accumulation import accumulating
 from overlap_optim.clipping import clipping_of
 from overlap_optim.spec import AnnotationGroup
-from overlap_optim.virtual_groups import VirtualKey, multi_tensor_step, virtual_key
+from overlap_optim.fused import applies as fused_applies
+from overlap_optim.virtual_groups import VirtualKey, fused_kernel_step, multi_tensor_step, virtual_key
 
 __all__ = [
     "step_when_ready", "step_param", "step_params", "StepPlan", "step_tables", "step_touched", "sum_rows", "live_optimizer", "init_placeholder_state", "load_param_state",
@@ -68,9 +69,10 @@ def step_when_ready(param: torch.Tensor) -> None:
 
 def step_params(params: list[torch.Tensor]) -> None:
     """Step every param (each has ``.grad`` set) and release its grad: one multi-tensor
-    update per virtual group; one ``torch.optim`` step per annotation group for a group
-    that asks torch for ``foreach`` or ``fused`` (as ``torch.optim`` steps a param group);
-    the param's own ``torch.optim`` step for the rest (see :class:`StepPlan`)."""
+    update per virtual group; for a group that asks torch for ``fused``, torch's fused kernel
+    called as its ``step()`` calls it, where it applies; one ``torch.optim`` step per annotation
+    group for the other groups that ask for ``foreach`` or ``fused`` (as ``torch.optim`` steps a
+    param group); the param's own ``torch.optim`` step for the rest (see :class:`StepPlan`)."""
     StepPlan(params).step([p.grad for p in params])
     for p in params:
         p.grad = None
@@ -98,23 +100,23 @@ class StepPlan:
     def _plan(self) -> None:
         self._groups = [p._overlap_group for p in self.params]
         first: dict[int, torch.Tensor] = {}  # annotation group -> one of its parameters, for check_live
-        alone: dict[int, list[int]] = {}  # annotation group -> its parameters in no virtual group
+        alone: dict[tuple[int, str], list[int]] = {}  # (annotation group, how) -> its parameters in no virtual group
         sets: dict[VirtualKey, list[int]] = {}
-        keys: dict[tuple, VirtualKey | None] = {}  # the key depends on the group and these only
+        keys: dict[tuple, VirtualKey | str] = {}  # how a tensor steps depends on its group and these only
         for i, (param, group) in enumerate(zip(self.params, self._groups)):
             if id(group) not in first:
                 first[id(group)] = param
                 check_live(param)  # before virtual_key reads the fixed settings
-            kind = (id(group), param.dtype, param.device, param.is_sparse)
+            kind = (id(group), param.dtype, param.device, param.is_sparse, type(param))
             if kind not in keys:
-                keys[kind] = None if _steps_together(group) else virtual_key(group.spec, group.param_group, param)
+                keys[kind] = _planned_as(group, param)
             key = keys[kind]
-            if key is None:
-                alone.setdefault(id(group), []).append(i)
+            if isinstance(key, str):
+                alone.setdefault((id(group), key), []).append(i)
             else:
                 sets.setdefault(key, []).append(i)
         self._checked = list(first.values())
-        self._alone = [(_steps_together(self._groups[index[0]]), index) for index in alone.values()]
+        self._alone = [(how, index, self._groups[index[0]]) for (_, how), index in alone.items()]
         self._sets = [
             (self._groups[index[0]].spec, [self.params[i] for i in index], index,
              [self._groups[i].param_group for i in index])
@@ -128,18 +130,32 @@ class StepPlan:
             self._plan()
         for param in self._checked:
             check_live(param)
-        for together, index in self._alone:
+        for how, index, group in self._alone:
             members = [self.params[i] for i in index]
+            if how == "fused" and fused_kernel_step(group.spec, members, [grads[i] for i in index],
+                                                    _real_states(members), [group.param_group] * len(index)):
+                continue
             for i in index:
                 self.params[i].grad = grads[i]
-            if together:
-                _step_together(members)
-            else:
+            if how == "own":
                 for param in members:
                     step_param(param)
+            else:
+                _step_together(members)
         for spec, members, index, hypers in self._sets:
             states = _real_states(members)
             multi_tensor_step(spec, members, [grads[i] for i in index], states, hypers)
+
+
+def _planned_as(group: AnnotationGroup, param: torch.Tensor) -> VirtualKey | str:
+    """How ``param`` of ``group`` steps: with its virtual group (the key), or alone: "fused" (a
+    group that asks for ``fused=True``, where torch's fused kernel is called here as its
+    ``step()`` would call it; "together" if that declines at a step), "together" (one
+    ``torch.optim`` step for the annotation group's share), or "own" (the param's own step)."""
+    if _steps_together(group):
+        fused = group.param_group.get("fused") and fused_applies(group.spec.optimizer_class, param)
+        return "fused" if fused else "together"
+    return virtual_key(group.spec, group.param_group, param) or "own"
 
 
 def _in_group(param: torch.Tensor, group: AnnotationGroup) -> bool:

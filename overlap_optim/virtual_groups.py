@@ -41,7 +41,7 @@ from overlap_optim._private import foreach
 from overlap_optim.fused import fused_step
 from overlap_optim.spec import OptimizerSpec
 
-__all__ = ["virtual_key", "multi_tensor_step", "step_counters", "MULTI_TENSOR", "LocalState"]
+__all__ = ["virtual_key", "multi_tensor_step", "fused_kernel_step", "step_counters", "MULTI_TENSOR", "LocalState"]
 
 VirtualKey = tuple[Any, ...]
 _OPT_OUT = ("foreach", "fused", "capturable", "differentiable")
@@ -73,13 +73,26 @@ def multi_tensor_step(
     if isinstance(params[0], DTensor):  # a virtual group's tensors agree in type
         states = [LocalState(state, param) for state, param in zip(states, params)]
         params, grads = [p.to_local() for p in params], [g.to_local() for g in grads]
-    fixed = spec.fixed
+    if fused_kernel_step(spec, params, grads, states, hypers):
+        return
     with torch.no_grad():
-        if fused_step(spec.optimizer_class, fixed, params, grads, states, hypers, step_counters, _state):
-            return
-        if fixed.get("maximize"):
+        if spec.fixed.get("maximize"):
             grads = foreach.neg(grads)
-        MULTI_TENSOR[spec.optimizer_class](params, grads, states, hypers, fixed)
+        MULTI_TENSOR[spec.optimizer_class](params, grads, states, hypers, spec.fixed)
+
+
+def fused_kernel_step(
+    spec: OptimizerSpec,
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    states: list[dict[str, Any]],
+    hypers: list[dict[str, Any]],
+) -> bool:
+    """The update of :func:`multi_tensor_step` by torch's fused CPU kernel, the one
+    ``torch.optim.<class>(fused=True)`` calls, with the same arguments (:mod:`overlap_optim.fused`);
+    False, nothing done, where it does not apply."""
+    with torch.no_grad():
+        return fused_step(spec.optimizer_class, spec.fixed, params, grads, states, hypers, step_counters, _state)
 
 
 class LocalState(MutableMapping):

@@ -87,20 +87,21 @@ def test_other_optimizers_and_user_flags_take_their_own_step():
     assert not torch.equal(asgd.detach(), torch.ones(2)) and not torch.equal(forced.detach(), torch.ones(2))
 
 
-TOGETHER = [
-    (torch.optim.Adam, {"lr": 0.01, "fused": True}),
-    (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1, "fused": True, "amsgrad": True}),
-    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "fused": True}),
-    (torch.optim.Adagrad, {"lr": 0.1, "fused": True}),
-    (torch.optim.Adam, {"lr": 0.01, "foreach": True}),
-    (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5, "foreach": True}),
+TOGETHER = [  # (class, settings, torch's fused kernel that its step() calls on CPU, or None)
+    (torch.optim.Adam, {"lr": 0.01, "fused": True}, "torch._fused_adam_"),
+    (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1, "fused": True, "amsgrad": True}, "torch._fused_adamw_"),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "fused": True}, "torch._fused_sgd_"),
+    (torch.optim.Adagrad, {"lr": 0.1, "fused": True}, "torch._fused_adagrad_"),
+    (torch.optim.Adam, {"lr": 0.01, "foreach": True}, None),
+    (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5, "foreach": True}, None),
 ]
 
 
-@pytest.mark.parametrize("cls, kwargs", TOGETHER, ids=[f"{c.__name__}-{i}" for i, (c, _) in enumerate(TOGETHER)])
-def test_foreach_and_fused_groups_step_as_torch_optim_steps_their_param_groups(cls, kwargs):
+@pytest.mark.parametrize("cls, kwargs, kernel", TOGETHER, ids=[f"{c.__name__}-{i}" for i, (c, _, _) in enumerate(TOGETHER)])
+def test_foreach_and_fused_groups_step_as_torch_optim_steps_their_param_groups(cls, kwargs, kernel):
     """Bitwise against ``cls(..., fused=True)`` (or ``foreach=True``) with one param group per
-    annotation, an lr changed by hand after step 1; each annotation group is one call."""
+    annotation, an lr changed by hand after step 1. ``foreach``: one ``step()`` per annotation
+    group; ``fused``: the kernel that ``step()`` calls, called here directly, once per setting."""
     ours = _params()
     reference = copy.deepcopy(ours)
     lrs = (kwargs["lr"], kwargs["lr"] / 3, kwargs["lr"] * 2)
@@ -109,15 +110,19 @@ def test_foreach_and_fused_groups_step_as_torch_optim_steps_their_param_groups(c
         apply_optimizer_in_backward(cls, ours[i::3], {**kwargs, "lr": lr})
         groups.append(ours[i]._overlap_group.param_group)
     ref_opt = cls([{"params": reference[i::3], "lr": lr} for i, lr in enumerate(lrs)], **kwargs)
-    steps = mock.patch.object(cls, "step", autospec=True, side_effect=cls.step)
     start = [q.detach().clone() for q in reference]
     for step in range(4):
         grads = [torch.randn_like(p) for p in ours]
         for p, q, g in zip(ours, reference, grads):
             p.grad, q.grad = g.clone(), g.clone()
-        with steps as counted:
-            step_params(ours)
-        assert counted.call_count == 3 and all(p.grad is None for p in ours)  # one per annotation group
+        with mock.patch.object(cls, "step", autospec=True, side_effect=cls.step) as steps:
+            if kernel is None:
+                step_params(ours)
+            else:
+                with mock.patch(kernel, wraps=getattr(torch, kernel.removeprefix("torch."))) as kernels:
+                    step_params(ours)
+                assert kernels.call_count == 3  # one per setting
+        assert steps.call_count == (3 if kernel is None else 0) and all(p.grad is None for p in ours)
         ref_opt.step()
         if step == 0:
             for mine, theirs in zip(groups, ref_opt.param_groups):
@@ -221,3 +226,26 @@ def test_a_plan_follows_a_parameter_annotated_anew():
             opt.step()
         for p, q in zip(ours, reference):
             torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7, msg=f"batch {batch}")
+
+
+def test_a_fused_group_whose_step_counters_torch_fused_kernel_cannot_take_steps_through_torch_optim():
+    """``fused=True`` where a loaded ``step`` counter is float64 (a checkpoint of a float64 run):
+    the direct kernel call declines and ``torch.optim``'s own fused step runs, as it would."""
+    ours = torch.nn.ParameterList(_params(3))
+    reference = copy.deepcopy(ours)
+    apply_optimizer_in_backward(torch.optim.Adam, list(ours), {"lr": 0.05, "fused": True})
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.05, fused=True)
+    for batch in range(3):
+        grads = [torch.randn_like(p) for p in ours]
+        for p, q, g in zip(ours, reference, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        with mock.patch.object(torch.optim.Adam, "step", autospec=True, side_effect=torch.optim.Adam.step) as steps:
+            step_params(list(ours))
+        assert steps.call_count == (0 if batch == 0 else 1)
+        ref_opt.step()
+        if batch == 0:
+            for p, q in zip(ours, reference):
+                for state in (p._in_backward_optimizers[0].state[p], ref_opt.state[q]):
+                    state["step"] = state["step"].double()
+        for p, q in zip(ours, reference):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0, msg=f"batch {batch}")
