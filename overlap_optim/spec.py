@@ -38,6 +38,7 @@ import functools
 import inspect
 import itertools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -132,13 +133,15 @@ class OptimizerSpec:
             if k in param_group and not _same(param_group[k], self.defaults[k])
         ]
 
-    def check_live(self, param_group: dict[str, Any], where: str) -> None:
-        """Raise ValueError, naming ``where`` and the key, if a fixed setting changed at run time."""
+    def check_live(self, param_group: dict[str, Any], where: str | Callable[[], str]) -> None:
+        """Raise ValueError, naming ``where`` (or what ``where()`` returns: made only for the error)
+        and the key, if a fixed setting changed at run time."""
         for key, value in self.fixed.items():
             now = param_group.get(key, value)
             if not _same(now, value):
                 raise ValueError(
-                    f"{where}: {self.name}'s setting {key}={now!r} was changed at run time (annotated with "
+                    f"{where() if callable(where) else where}: {self.name}'s setting {key}={now!r} was changed "
+                    f"at run time (annotated with "
                     f"{value!r}); only its float settings {sorted(self.float_keys)} may change once annotated. "
                     f"Annotate with {key}={now!r} from the start (apply_optimizer_in_backward(..., replace=True))"
                 )
@@ -409,6 +412,8 @@ def _is_float_setting(value: Any) -> bool:
 
 
 def _same(a: Any, b: Any) -> bool:
+    if a is b:  # most often: the very value annotated
+        return True
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):

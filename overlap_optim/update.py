@@ -250,8 +250,9 @@ def step_param(param: torch.Tensor) -> None:
 def check_live(param: torch.Tensor) -> None:
     """Refuse a fixed (non-float) setting of ``param``'s group changed since annotation."""
     group = param._overlap_group
-    where = f"a parameter of shape {tuple(param.shape)} in param group {group.order} ({group.spec.name})"
-    group.spec.check_live(group.param_group, where)
+    group.spec.check_live(
+        group.param_group,
+        lambda: f"a parameter of shape {tuple(param.shape)} in param group {group.order} ({group.spec.name})")
 
 
 def init_placeholder_state(param: torch.Tensor) -> None:
