@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from overlap_optim.testing import run_ranks
+from overlap_optim.testing import run_cases, run_ranks
 
 
 def time_peers(peers: dict[str, Callable[[], None]], warmup: int, repeats: int) -> dict[str, dict[str, float]]:
@@ -35,6 +35,16 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"median_s": statistics.median(ordered), "p25_s": quartiles[0], "p75_s": quartiles[2]}
 
 
+def on_ranks(fn: Callable[..., Any], *args: Any, quick: bool, world_size: int = 2, timeout: float = 240.0) -> list[Any]:
+    """``[fn(0, world_size, *args), fn(1, ...), ...]``, as ``run_ranks`` gives it. A full run starts
+    fresh processes, so what it measures is the call's own. Quick mode (smoke: its numbers mean
+    nothing) runs it in the spawned group that the previous quick call left
+    (``overlap_optim.testing.run_cases``), which saves a start of torch and TorchRec per call."""
+    if not quick:
+        return run_ranks(fn, *args, world_size=world_size, timeout=timeout)
+    return run_cases({fn.__name__: fn}, None, *args, world_size=world_size, timeout=timeout)[fn.__name__]
+
+
 def peak_rss_kib(fn: Callable[..., int], peers: list[str], *args: Any, quick: bool, timeout: float = 600.0) -> dict[str, int]:
     """``{peer: the largest of fn(rank, world_size, peer, *args) over the ranks}``: each rank's peak RSS.
 
@@ -44,7 +54,7 @@ def peak_rss_kib(fn: Callable[..., int], peers: list[str], *args: Any, quick: bo
     """
     if not quick:
         return {peer: max(run_ranks(fn, peer, *args, timeout=timeout)) for peer in peers}
-    by_rank = run_ranks(_each_peer, fn, list(peers), args, timeout=timeout)
+    by_rank = on_ranks(_each_peer, fn, list(peers), args, quick=True, timeout=timeout)
     return {peer: max(result[peer] for result in by_rank) for peer in peers}
 
 

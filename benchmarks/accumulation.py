@@ -23,10 +23,9 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from benchmarks._timing import own_peak_rss_kib, peak_rss_kib, time_peers
+from benchmarks._timing import on_ranks, own_peak_rss_kib, peak_rss_kib, time_peers
 from benchmarks.sparse_vs_torchrec import SETTINGS, _batches, _Model, _sizes
 from overlap_optim import apply_optimizer_in_backward, get_optimizers, no_step
-from overlap_optim.testing import run_ranks
 
 K = 4
 PEERS = ("steps", "window", "window_fallback")
@@ -117,10 +116,10 @@ def run(quick: bool) -> dict:
     """Measure; returns a JSON-able result with ratios."""
     rows, batch, pooling = _sizes(quick)
     warmup, repeats, rounds = (1, 3, 2) if quick else (2, 12, 4)
-    timings = run_ranks(_time, quick, warmup, repeats, timeout=1800)[0]
+    timings = on_ranks(_time, quick, warmup, repeats, quick=quick, timeout=1800)[0]
     median = {peer: t["median_s"] for peer, t in timings.items()}
     memory = peak_rss_kib(_memory, list(PEERS), quick, rounds, quick=quick)
-    held = run_ranks(_held, quick, (2, 4, 8))
+    held = on_ranks(_held, quick, (2, 4, 8), quick=quick)
     held_mib = {k: max(r[k] for r in held) / 2**20 for k in (2, 4, 8)}
     ratios = {
         "window / 4 steps: one update instead of 4": median["window"] / median["steps"],

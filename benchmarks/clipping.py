@@ -42,11 +42,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks._timing import own_peak_rss_kib, peak_rss_kib, time_peers
+from benchmarks._timing import on_ranks, own_peak_rss_kib, peak_rss_kib, time_peers
 from benchmarks.dense_hook import LRS, WIDTHS, _ddp_plain, _thirds, _tower
 from benchmarks.sparse_vs_torchrec import SETTINGS, _batches, _Model, _sizes
 from overlap_optim import apply_gradient_clipping, apply_optimizer_in_backward, register_optimizer_hook
-from overlap_optim.testing import run_ranks
 
 BINDING = 0.3  # max_norm, as a fraction of the first step's norm
 SPARSE_PEERS = ("fused", "fallback", "clipped", "clipped_fallback")
@@ -194,7 +193,7 @@ def run(quick: bool) -> dict:
     rows, batch, pooling = _sizes(quick)
     layers, dense_batches = (6, (16,)) if quick else (150, (16, 256))
     warmup, repeats = (1, 3) if quick else (4, 24)
-    sparse, dense_by_batch = run_ranks(_time, quick, layers, dense_batches, warmup, repeats, timeout=1800)[0]
+    sparse, dense_by_batch = on_ranks(_time, quick, layers, dense_batches, warmup, repeats, quick=quick, timeout=1800)[0]
     timings = {f"sparse {peer}": t for peer, t in sparse["timings"].items()}
     median = {peer: t["median_s"] for peer, t in sparse["timings"].items()}
     ratios = {

@@ -30,9 +30,8 @@ from torch.autograd import Variable
 from torch.distributed.optim.apply_optimizer_in_backward import _apply_optimizer_in_backward
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks._timing import own_peak_rss_kib, peak_rss_kib, time_peers
+from benchmarks._timing import on_ranks, own_peak_rss_kib, peak_rss_kib, time_peers
 from overlap_optim import apply_optimizer_in_backward, register_optimizer_hook
-from overlap_optim.testing import run_ranks
 
 LRS = (1e-3, 3e-4, 1e-4)
 WIDTHS = (64, 96, 128)
@@ -152,7 +151,7 @@ def run(quick: bool) -> dict:
     warmup, repeats = (1, 3) if quick else (5, 60)
     timings, ratios = {}, {}
     for batch in batches:
-        timed = run_ranks(_time, layers, batch, warmup, repeats, timeout=900)[0]
+        timed = on_ranks(_time, layers, batch, warmup, repeats, quick=quick, timeout=900)[0]
         ours = timed["ours"]["median_s"]
         timings.update({f"{peer} (batch {batch})": t for peer, t in timed.items()})
         ratios[f"torch_in_backward / ours, batch {batch} (target >= 2)"] = timed["torch_in_backward"]["median_s"] / ours

@@ -35,8 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap_optim
-from benchmarks._timing import own_peak_rss_kib, peak_rss_kib, time_peers
-from overlap_optim.testing import run_ranks
+from benchmarks._timing import on_ranks, own_peak_rss_kib, peak_rss_kib, time_peers
 
 LAYERS, BATCH, LR = 5, 32, 1e-3
 PEERS = ("ours", "fsdp_adamw", "ddp_ours")
@@ -115,10 +114,10 @@ def run(quick: bool) -> dict:
     """Measure; returns a JSON-able result with ratios."""
     width = 256 if quick else 2048
     warmup, repeats = (1, 3) if quick else (3, 15)
-    ranks = run_ranks(_time, PEERS, width, warmup, repeats, timeout=1200)
+    ranks = on_ranks(_time, PEERS, width, warmup, repeats, quick=quick, timeout=1200)
     timings = ranks[0]["timings"]
     muon_width, muon_repeats = (64, 3) if quick else (256, 5)
-    muon = run_ranks(_time, MUON_PEERS, muon_width, 1, muon_repeats, timeout=1200)
+    muon = on_ranks(_time, MUON_PEERS, muon_width, 1, muon_repeats, quick=quick, timeout=1200)
     muon_timings = muon[0]["timings"]
     muon_state = {peer: max(r["state_bytes"][peer] for r in muon) for peer in MUON_PEERS}
     muon_s = {peer: muon_timings[peer]["median_s"] for peer in MUON_PEERS}

@@ -41,9 +41,8 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
 from benchmarks._sharded import DIM, Tower, batch
-from benchmarks._timing import _summary
+from benchmarks._timing import _summary, on_ranks
 from overlap_optim import apply_optimizer_in_backward
-from overlap_optim.testing import run_ranks
 
 LR = 1e-2
 WORLD = 2
@@ -247,7 +246,8 @@ def run(quick: bool) -> dict:
     rows = 20_000 if quick else 1_000_000
     bags, pooling = (256, 20) if quick else (2048, 20)
     warmup, repeats = (1, 3) if quick else (3, 15)
-    ranks = run_ranks(_body, rows, bags, pooling, warmup, repeats, world_size=WORLD, timeout=300 if quick else 1800)
+    ranks = on_ranks(_body, rows, bags, pooling, warmup, repeats, quick=quick, world_size=WORLD,
+                  timeout=300 if quick else 1800)
     timed = [r["timed"] for r in ranks]
     per_step = [max(values) for values in zip(*(t["samples"][OURS] for t in timed))]  # the slower rank
     timings = {OURS: _summary(per_step), ONE_2: _summary(timed[0]["samples"][ONE_2]),

@@ -13,8 +13,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap_optim
-from benchmarks._timing import time_peers
-from overlap_optim.testing import run_ranks
+from benchmarks._timing import on_ranks, time_peers
 
 WIDTH, LAYERS, BATCH, PERIOD = 256, 8, 64, 8
 
@@ -59,7 +58,7 @@ def _rank(rank, world_size, warmup, repeats):
 def run(quick: bool) -> dict:
     """Measure; returns a JSON-able result with ratios."""
     warmup, repeats = (PERIOD, PERIOD) if quick else (2 * PERIOD, 10 * PERIOD)
-    result = run_ranks(_rank, warmup, repeats, timeout=600)[0]
+    result = on_ranks(_rank, warmup, repeats, quick=quick, timeout=600)[0]
     timings, traffic = result["timings"], result["traffic"]
     return {
         "setup": {"ranks": 2, "width": WIDTH, "layers": LAYERS, "batch": BATCH, "period": PERIOD,

@@ -26,8 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
-from benchmarks._timing import own_peak_rss_kib, peak_rss_kib, time_peers
-from overlap_optim.testing import run_ranks
+from benchmarks._timing import on_ranks, own_peak_rss_kib, peak_rss_kib, time_peers
 
 DIM = 64
 SETTINGS = [
@@ -84,7 +83,7 @@ def _build(peer: str, rows: list[int], world_size: int, collection: str):
     annotate = apply_optimizer_in_backward if peer == "ours" else stock_annotate
     for index, (_, cls, kwargs) in enumerate(SETTINGS):
         tables = [model.weight(f"t{i}") for i in range(len(rows)) if i % 3 == index]
-        annotate(cls or RowWiseAdagrad, tables, kwargs)
+        annotate(cls or RowWiseAdagrad, tables, dict(kwargs))  # TorchRec's sharder rewrites the dict it keeps
     ours = sharders.EmbeddingBagCollectionSharder if collection == "ebc" else sharders.EmbeddingCollectionSharder
     stock = StockEBCSharder if collection == "ebc" else StockECSharder
     sharder = ours() if peer == "ours" else stock()
@@ -142,7 +141,7 @@ def run(quick: bool, collection: str = "ebc") -> dict:
     """Measure; returns a JSON-able result with ratios. ``collection``: "ebc" or "ec"."""
     rows, batch, pooling = _sizes(quick)
     warmup, repeats = (1, 3) if quick else (4, 24)
-    timings = run_ranks(_time, quick, warmup, repeats, collection, timeout=900)[0]
+    timings = on_ranks(_time, quick, warmup, repeats, collection, quick=quick, timeout=900)[0]
     memory = peak_rss_kib(_memory, ["ours", "torchrec"], quick, 2 if quick else 5, collection, quick=quick)
     return {
         "setup": {"collection": collection, "tables": len(rows), "rows": rows, "dim": DIM, "batch_per_rank": batch,
