@@ -212,35 +212,35 @@ def _build(context: BuildContext) -> None:
     """Each kind takes over TorchRec's kernels of its tables, then installs what it needs."""
     for table in context.tables.values():  # the same order and sizes on every rank
         table.join_round(context.round)
-    model_parallel = [k for lookup, k in kernels_of(context.sharded) if not isinstance(lookup, DistributedDataParallel)]
-    for kernel in model_parallel:
+    for lookup, kernel in kernels_of(context.sharded):
+        if isinstance(lookup, DistributedDataParallel):
+            continue
         tables = [context.tables[t.name] for t in kernel.config.embedding_tables]
+        # Kinds that share a kernel (equal batch keys: the fallback's lazy, dense and cross-shard
+        # tables) share one adopt, which builds each table's own optimizer.
         adopt = type(tables[0]).adopt
-        assert all(type(t).adopt == adopt for t in tables), f"one TorchRec kernel, several kinds: {tables}"
+        assert all(type(t).adopt.__func__ is adopt.__func__ for t in tables), f"one TorchRec kernel, several kinds: {tables}"
         adopt(kernel, tables, context)
-    arms = [context.round.arm] if context.round.slots else []
-    clips = {t.clip.order: t.clip for t in context.tables.values() if t.clip is not None and t.clip.by_norm}
-    arms += [clip.arm for _, clip in sorted(clips.items())]  # the same on every rank
-    if arms:
-        _arm_from(model_parallel, [_unless(context.accumulation, arm) for arm in arms])
     by_kind: dict[type[TableKernel], list[TableKernel]] = {}
     for table in context.tables.values():
         by_kind.setdefault(type(table), []).append(table)
     for cls, tables in sorted(by_kind.items(), key=lambda item: not item[0].install_first):
         cls.install(tables, context)
+    arms = [context.round.arm] if context.round.slots else []
+    clips = {t.clip.order: t.clip for t in context.tables.values() if t.clip is not None and t.clip.by_norm}
+    arms += [clip.arm for _, clip in sorted(clips.items())]  # the same on every rank
+    if arms:  # after install: the lookups are final (a frozen kind wraps its data-parallel one again)
+        _arm_from(_private.lookups(context.sharded), [_unless(context.accumulation, arm) for arm in arms])
 
 
-def _arm_from(kernels: list[nn.Module], arms: list[Callable[[], None]]) -> None:
+def _arm_from(lookups: list[nn.Module], arms: list[Callable[[], None]]) -> None:
     """Every rank arms the module's round, and the clipping sets of its tables, from the backward
-    of each kernel it runs: all take part in the same collectives, tables held or not."""
-    if not kernels:
-        raise ValueError(
-            "this rank runs no kernel of a module whose split tables use a layer-wise optimizer, or whose tables "
-            "are clipped by norm, so it could not take part in their round; give every rank at least one table "
-            "of that module"
-        )
-    for kernel in kernels:
-        kernel.register_forward_hook(lambda module, args, output: arm_in_backward(output, arms))
+    of each of its lookups, one per sharding type: all take part in the same collectives, tables
+    held or not. A lookup that holds no table on this rank still returns a tensor that requires
+    grad (TorchRec's empty-rank placeholder), and the output all-to-all's backward reaches it;
+    a data-parallel lookup's output is this rank's own."""
+    for lookup in lookups:
+        lookup.register_forward_hook(lambda module, args, output: arm_in_backward(output, arms))
 
 
 def _unless(accumulation: Accumulation, arm: Callable[[], None]) -> Callable[[], None]:

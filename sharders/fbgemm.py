@@ -143,7 +143,7 @@ class FusedShardState:
         return {**self.row_state, **self.table_state}
 
     def has_real_state(self) -> bool:
-        return self._kernel.steps > 0
+        return bool(self._layout) and self._kernel.steps > 0  # EXACT_SGD keeps none
 
     def init_state(self) -> None:
         """Nothing to make: FBGEMM's state exists from the start."""

@@ -117,7 +117,7 @@ class ShardedTables:
 
     def keys_with_state(self) -> list[str]:
         """Keys of the tables with real state on some rank (a collective, like :meth:`state_dict`)."""
-        local = [t.name for t in self.tables.values() if any(p.state.has_real_state() for p in t.pieces)]
+        local = [t.name for t in self.tables.values() if any(_has_state(p, real=True) for p in t.pieces)]
         if dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
             gathered: list[Any] = [None] * dist.get_world_size(self.process_group)
             dist.all_gather_object(gathered, local, group=self.process_group)
@@ -158,7 +158,7 @@ class ShardedTables:
         """Per table, its per-table state from a rank that holds it (None: no state yet)."""
         local = {}
         for table in self.tables.values():
-            held = [p for p in table.pieces if p.state.state]
+            held = [p for p in table.pieces if _has_state(p)]
             local[table.name] = dict(held[0].state.table_state) if held else None
         if not (dist.is_initialized() and dist.get_world_size(self.process_group) > 1):
             return local
@@ -202,3 +202,11 @@ class ShardedTables:
 
     def _table_of(self, key: str) -> str:
         return key[len(self.tables_attr) + 1 : -len(".weight")]
+
+
+def _has_state(piece: LocalShard, real: bool = False) -> bool:
+    """The one answer to "does this shard have optimizer state": it holds some entry (an optimizer
+    that keeps none, plain SGD, never does), and with ``real``, not an ``init_state`` placeholder.
+    :meth:`ShardedTables.state_dict` saves what the first answer says, ``load_state_dict`` refuses
+    to drop what the second says: a table is in both or in neither."""
+    return bool(piece.state.state) and (not real or piece.state.has_real_state())
