@@ -295,6 +295,11 @@ def _check_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
                 f"params[{i}] (shape {tuple(p.shape)}) does not require grad, so backward "
                 "never reaches it: annotate trainable parameters only"
             )
+        if not p.is_leaf:
+            raise ValueError(
+                f"params[{i}] (shape {tuple(p.shape)}) is not a leaf tensor but the result of an operation "
+                f"({type(p.grad_fn).__name__}): no optimizer can step it; annotate the parameter itself"
+            )
         unique[id(p)] = p
     return list(unique.values())
 

@@ -205,9 +205,27 @@ class GradientClipping:
             return norms.max().reshape(1)
         return norms.pow(self.norm_type).sum().reshape(1)
 
+    def check_members(self) -> None:
+        """Raise ValueError if an unannotated member's gradient may differ per rank: nothing of
+        ours reduces it (our DDP hook marks those it averages). A sharded module checks it on
+        every rank before its first lookup of a step, before any update; the end of backward
+        checks it again for sets that hold no sharded table."""
+        if self.local or _world() <= 1:
+            return
+        for param in self.params:
+            unannotated = getattr(param, "_overlap_group", None) is None and param.requires_grad
+            if unannotated and id(param) not in self._replicated and not _is_shard(param):
+                raise ValueError(
+                    f"gradient clipping: a parameter of shape {tuple(param.shape)} with no annotation is in the "
+                    "clipping set, and no DDP hook of overlap_optim reduces it, so its gradient may differ per "
+                    "rank; wrap the model with overlap_optim.register_optimizer_hook (or DMP's "
+                    "sharders.DataParallelWrapper), or leave it out of the set"
+                )
+
     def _gather_unannotated(self) -> None:
         """At the end of backward (after DDP's buckets): the set's unannotated parameters, whose
         gradients are final now, join the norm and are scaled with the rest."""
+        self.check_members()
         grads, replicated = [], []
         for param in self.params:
             if param.grad is None or getattr(param, "_overlap_group", None) is not None:
@@ -215,13 +233,6 @@ class GradientClipping:
             if _is_shard(param.grad):  # FSDP2: this rank's rows of the reduced gradient, its own
                 grads.append(param.grad.to_local())
                 continue
-            if not self.local and id(param) not in self._replicated and _world() > 1:
-                raise ValueError(
-                    f"gradient clipping: a parameter of shape {tuple(param.shape)} with no annotation is in the "
-                    "clipping set, and no DDP hook of overlap_optim reduces it, so its gradient may differ per "
-                    "rank; wrap the model with overlap_optim.register_optimizer_hook (or DMP's "
-                    "sharders.DataParallelWrapper), or leave it out of the set"
-                )
             (replicated if id(param) in self._replicated else grads).append(param.grad)
         self.clip(grads, _nothing)
         self.clip(replicated, _nothing, replicated=True)

@@ -292,6 +292,11 @@ def _dry_run(
         optimizer = _make(cls, kwargs, options, [stand_in])
     except ValueError as err:
         raise ValueError(f"{cls.__name__}({kwargs}) rejected a value: {err}") from None
+    except (IndexError, KeyError) as err:  # a tuple setting of the wrong length: betas=(0.9,)
+        raise ValueError(
+            f"{cls.__name__}({kwargs}) rejected a value: its constructor failed with {type(err).__name__}: {err} "
+            "(a setting of the wrong length or kind?)"
+        ) from None
     except TypeError as err:
         raise TypeError(f"{cls.__name__}({kwargs}) failed: {err}") from None
     before = dict(optimizer.param_groups[0])

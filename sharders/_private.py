@@ -27,7 +27,8 @@ from torchrec.optim.keyed import CombinedOptimizer
 
 __all__ = [
     "PRIVATE_APIS", "BATCH_KEY", "WRAPPED", "lookups", "kernels_of_lookup", "kernels_of", "add_fused_optimizer", "sharded_weights",
-    "wrapped_module", "DenseKernelLayout", "dense_kernel_layout", "slice_again",
+    "wrapped_module", "DenseKernelLayout", "dense_kernel_layout", "slice_again", "ModelBeingSharded",
+    "model_being_sharded", "divide_only_row_split_means",
 ]
 
 # The name under which DistributedModelParallel registers the module it wraps.
@@ -107,6 +108,49 @@ def slice_again(weight: Any) -> Any:
     )
 
 
+def divide_only_row_split_means(sharded: nn.Module) -> None:
+    """Repair TorchRec's mean pooling of row-split tables (row_wise, table_row_wise) in an EBC.
+
+    Their kernel pools by SUM, and a callback divides the module's output by each bag's length
+    afterwards. The divisor is 1 only for the SUM features of row-split tables: every feature of
+    another sharding type is divided too, so a table_wise SUM feature ends up averaged, and a
+    column_wise MEAN feature divided twice (silently wrong output and gradients, measured). Here
+    every feature that is not a row-split MEAN one gets divisor 1. Private:
+    ``ShardedEmbeddingBagCollection._pooling_type_to_rs_features``, read by its
+    ``_create_mean_pooling_divisor``.
+    """
+    if not getattr(sharded, "_has_mean_pooling_callback", False):
+        return
+    by_pooling = sharded._pooling_type_to_rs_features
+    means = set(by_pooling.get("MEAN", []))
+    features = [f for config in sharded._embedding_bag_configs for f in config.feature_names]
+    by_pooling["SUM"] = [f for f in features if f not in means]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelBeingSharded:
+    """The whole model a ``DistributedModelParallel`` is sharding, its plan and its sharders."""
+
+    root: nn.Module
+    plan: Any  # TorchRec's ShardingPlan
+    sharders: dict[type, Any]  # module type -> its sharder
+
+
+def model_being_sharded() -> ModelBeingSharded | None:
+    """What the ``DistributedModelParallel`` whose constructor is sharding now shards, or None when
+    no DMP is (a sharder called by hand, TorchRec's ``shard_modules``). A sharder sees one module at
+    a time; this lets it check every module before the first is changed. Private: the frame of
+    ``DistributedModelParallel._init_dmp(self, module)`` on the stack, and DMP's ``._plan`` and
+    ``._sharder_map``."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code is DistributedModelParallel._init_dmp.__code__:
+            dmp = frame.f_locals["self"]
+            return ModelBeingSharded(frame.f_locals["module"], dmp._plan, dict(dmp._sharder_map))
+        frame = frame.f_back
+    return None
+
+
 # name -> a function that returns the private object (raises if it is gone). Instance
 # attributes are checked in the code of the class that sets them: no instance is needed.
 PRIVATE_APIS: dict[str, Callable[[], object]] = {
@@ -129,6 +173,11 @@ PRIVATE_APIS: dict[str, Callable[[], object]] = {
     "GroupedEmbeddingsLookup._emb_modules": lambda: _set_by(GroupedEmbeddingsLookup, "_emb_modules"),
     **{f"TableBatchedEmbeddingSlice.{n}": (lambda n=n: _set_by(TableBatchedEmbeddingSlice, n)) for n in (
         "_original_tensor", "_start_offset", "_end_offset", "_num_embeddings", "_embedding_dim")},
+    **{f"ShardedEmbeddingBagCollection.{n}": (lambda n=n: _set_by(ShardedEmbeddingBagCollection, n)) for n in (
+        "_has_mean_pooling_callback", "_pooling_type_to_rs_features", "_embedding_bag_configs")},
+    "DistributedModelParallel._init_dmp(self, module)": lambda: _takes(DistributedModelParallel._init_dmp, "module"),
+    "DistributedModelParallel._plan": lambda: _set_by(DistributedModelParallel, "_plan"),
+    "DistributedModelParallel._sharder_map": lambda: _set_by(DistributedModelParallel, "_sharder_map"),
     "fused params key _batch_key (embedding_sharding.group_tables)": lambda: _mentions(
         "torchrec.distributed.embedding_sharding", BATCH_KEY),
 }
@@ -142,6 +191,12 @@ def _set_by(cls: type, name: str) -> str:
             if code is not None and name in code.co_names:
                 return name
     raise AttributeError(f"no method of {cls.__name__} sets or reads {name!r} any more")
+
+
+def _takes(function: Callable, parameter: str) -> str:
+    if parameter not in inspect.signature(function).parameters:
+        raise AttributeError(f"{function.__qualname__} no longer takes {parameter!r}")
+    return parameter
 
 
 def _mentions(module: str, text: str) -> str:

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
+from torchrec.distributed.types import ParameterSharding, ShardedModule, ShardingEnv, ShardingType
 
 from overlap_optim import plans
 from overlap_optim.clipping import mark_taken
@@ -64,7 +64,17 @@ from sharders.optimizer_table import decide
 from sharders.plan import ShardedModulePlan
 from sharders.table_state import ShardedTables
 
-__all__ = ["CollectionSharder"]
+__all__ = ["CollectionSharder", "check_model", "SAFE_FUSED_PARAMS"]
+
+# TorchRec fused_params that change where a table lives or how it is fetched, never the numbers:
+# the only ones our sharders pass on. Any other key (gradient_clipping and max_gradient, which clamp
+# the pooled output gradient; weight_decay_mode and its COWCLIP or counter settings; momentum,
+# beta1, beta2, eta; output_dtype; cache_precision) is refused where the sharder is made.
+SAFE_FUSED_PARAMS = frozenset({
+    "cache_load_factor", "cache_algorithm", "cache_reserved_memory", "prefetch_pipeline", "enforce_hbm",
+    "bounds_check_mode", "use_one_tbe_per_table",
+    "stochastic_rounding",  # rounds only low-precision weights, which are refused (float32 only)
+})
 
 
 class CollectionSharder:
@@ -85,6 +95,8 @@ class CollectionSharder:
             fused_params: TorchRec's, without optimizer settings (annotate the tables instead).
             fallback_tables: tables to run in the fallback even where FBGEMM could fuse them.
             dense_tables: tables to run with dense semantics (in the fallback; see the module doc).
+                Both take table names, or names qualified by the collection's path (``"ebc_a.t0"``)
+                where two collections of the model have a table of that name.
             **kwargs: TorchRec's other arguments.
 
         Raises:
@@ -101,6 +113,13 @@ class CollectionSharder:
             raise ValueError(
                 f"fused_params {optimizer_keys} set an optimizer for every table; annotate the tables "
                 "with overlap_optim.apply_optimizer_in_backward instead"
+            )
+        changing = sorted(set(fused_params or {}) - SAFE_FUSED_PARAMS)
+        if changing:
+            raise ValueError(
+                f"fused_params {changing}: FBGEMM would change the update (or the lookup) with them, where each "
+                "table steps exactly as torch.optim; clip with overlap_optim.apply_gradient_clipping, set "
+                f"optimizer settings in the annotation, and keep fused_params to {sorted(SAFE_FUSED_PARAMS)}"
             )
         super().__init__(fused_params=fused_params, **kwargs)
 
@@ -129,8 +148,11 @@ class CollectionSharder:
         module_fqn: str | None = None,
     ) -> nn.Module:
         device = device or torch.device("cpu")
+        whole = _private.model_being_sharded()
+        if whole is not None and not any(isinstance(m, ShardedModule) for m in whole.root.modules()):
+            check_model(whole, device.type)  # the first module: every refusal of every module, before any changes
         self.check_options(device.type)
-        tables = self._table_kernels(module, params, device.type)
+        tables = self._table_kernels(module, params, device.type, module_fqn or "")
         params = {name: _with_kernel(sharding, tables.get(name)) for name, sharding in params.items()}
         with self._translated_annotations(module, tables):
             sharded = super().shard(module, params, env, device, module_fqn)
@@ -154,26 +176,37 @@ class CollectionSharder:
         )
         return sharded
 
+    def named_in(self, option: str, path: str, tables: Iterable[str]) -> frozenset[str]:
+        """The tables of the module at ``path`` that ``option`` (``fallback_tables`` or
+        ``dense_tables``) names: by table name, or qualified by the module's path
+        (``"ebc_a.t0"``), for a model whose collections share table names."""
+        names = getattr(self, option)
+        return frozenset(t for t in tables if t in names or f"{path}.{t}" in names)
+
     def _table_kernels(
-        self, module: nn.Module, params: dict[str, ParameterSharding], device_type: str
+        self, module: nn.Module, params: dict[str, ParameterSharding], device_type: str, path: str = ""
     ) -> dict[str, TableKernel]:
         """Each table's decision (:func:`sharders.optimizer_table.decide`), as its kind's kernel object."""
         torch_made: dict[str, AnnotationGroup] = {}
         decisions = {}
-        for config in self.table_configs(module):
+        configs = self.table_configs(module)
+        pinned = self.named_in("fallback_tables", path, [c.name for c in configs])
+        dense = self.named_in("dense_tables", path, [c.name for c in configs])
+        for config in configs:
             sharding = params[config.name]
             shards = sharding.sharding_spec.shards if sharding.sharding_spec is not None else []
             decisions[config.name] = decide(
                 config.name, self.table_module(module, config.name).weight, sharding.sharding_type,
                 [list(s.shard_offsets) for s in shards], sharding.compute_kernel,
                 (config.num_embeddings, config.embedding_dim), device_type, torch_made,
-                pinned=self.fallback_tables, dense=self.dense_tables,
+                pinned=pinned, dense=dense, shard_sizes=[list(s.shard_sizes) for s in shards],
             )
-        for option, names in (("fallback_tables", self.fallback_tables), ("dense_tables", self.dense_tables)):
-            unknown = sorted(names - set(decisions))
-            if unknown:
-                raise ValueError(f"{option} names tables this module does not have: {unknown}")
-        unannotated = sorted(n for n in self.dense_tables & set(decisions) if decisions[n].group is None)
+        if _private.model_being_sharded() is None:  # else check_model checked the names across modules
+            for option in ("fallback_tables", "dense_tables"):
+                unknown = sorted(n for n in getattr(self, option) if "." not in n and n not in decisions)
+                if unknown:
+                    raise ValueError(f"{option} names tables the module {path or '(root)'!r} does not have: {unknown}")
+        unannotated = sorted(n for n in dense if decisions[n].group is None)
         if unannotated:
             raise ValueError(
                 f"dense_tables names tables with no in-backward optimizer: {unannotated}; their gradient "
@@ -206,6 +239,40 @@ class CollectionSharder:
                 for attr in ("_optimizer_classes", "_optimizer_kwargs"):
                     weight.__dict__.pop(attr, None)
                 weight.__dict__.update(attrs)
+
+
+def check_model(whole: _private.ModelBeingSharded, device_type: str) -> None:
+    """Raise, naming the module and table, for anything our sharders would refuse in any module of
+    ``whole`` that is still to be sharded; also for a table option that names no table of the
+    model, or a bare table name that several of its collections share. Changes nothing: it runs
+    on every rank before ``DistributedModelParallel`` shards the first module."""
+    modules = []
+    for path, module in whole.root.named_modules():
+        sharder = whole.sharders.get(type(module))
+        params = whole.plan.get_plan_for_module(path)
+        if isinstance(sharder, CollectionSharder) and params:
+            modules.append((sharder, path, module, params))
+    for sharder in {id(m[0]): m[0] for m in modules}.values():  # the names first: a table's own check may use them
+        held = [(path, [c.name for c in sharder.table_configs(module)]) for s, path, module, _ in modules if s is sharder]
+        for option in ("fallback_tables", "dense_tables"):
+            _check_named(option, getattr(sharder, option), held)
+    for sharder, path, module, params in modules:
+        sharder.check_options(device_type)
+        sharder._table_kernels(module, params, device_type, path)
+
+
+def _check_named(option: str, names: frozenset[str], held: list[tuple[str, list[str]]]) -> None:
+    """Every name of ``option`` names exactly one table of the modules ``held`` ((path, tables))."""
+    qualified = {f"{path}.{t}" for path, tables in held for t in tables}
+    for name in sorted(names):
+        owners = [path for path, tables in held if name in tables]
+        if len(owners) > 1:
+            raise ValueError(
+                f"{option} names {name!r}, a table of each of the modules {owners}: qualify it with its module's "
+                f"path, such as {owners[0] + '.' + name!r}"
+            )
+        if not owners and name not in qualified:
+            raise ValueError(f"{option} names {name!r}, which is no table of the model; its tables are {sorted(qualified)}")
 
 
 def _build(context: BuildContext) -> None:

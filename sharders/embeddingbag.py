@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder as _TorchRecSharder
 
+from sharders import _private
 from sharders._private import kernels_of
 from sharders.collection import CollectionSharder
 from sharders.kernels import ROW_SPLITTING, TableDecision
@@ -42,6 +43,11 @@ class EmbeddingBagCollectionSharder(CollectionSharder, _TorchRecSharder):
 
     def table_configs(self, module: nn.Module) -> list[Any]:
         return module.embedding_bag_configs()
+
+    def adapt_kernels(self, sharded: nn.Module) -> None:
+        """TorchRec divides every feature of a module that has a row-split MEAN table by its bag's
+        length: only those are divided here (:func:`sharders._private.divide_only_row_split_means`)."""
+        _private.divide_only_row_split_means(sharded)
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         types = list(super().sharding_types(compute_device_type))

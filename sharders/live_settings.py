@@ -14,6 +14,9 @@ and every rank reads the same param groups (a scheduler or a user changes them
 on all ranks). So they all raise the same error at the same point, and none is
 left waiting.
 
+The clipping sets of the module's tables are checked there too (an unannotated member that
+nothing of ours reduces is refused before any table of the set has stepped).
+
 Data-parallel tables are left to the DDP hook, which every rank runs anyway. A
 refusal that only a step can show (SGD's momentum raised from 0 on a fallback
 table: new state that the untouched rows lack) is still raised where the table
@@ -35,6 +38,7 @@ __all__ = ["install_settings_check"]
 def install_settings_check(sharded: nn.Module, tables: dict[str, TableKernel]) -> None:
     """Check every table kernel's live settings before ``sharded``'s first lookup, on every rank."""
     kernels = list(tables.values())
+    clips = list({id(k.clip): k.clip for k in kernels if k.clip is not None}.values())
     lookups = _private.lookups(sharded)
     if not lookups:
         return
@@ -42,5 +46,7 @@ def install_settings_check(sharded: nn.Module, tables: dict[str, TableKernel]) -
     def check(_lookup: Any, _inputs: Any) -> None:
         for kernel in kernels:
             kernel.check_live()
+        for clip in clips:  # before any update of the step: a refused set leaves every weight as it was
+            clip.check_members()
 
     lookups[0].register_forward_pre_hook(check)

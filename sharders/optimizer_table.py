@@ -169,6 +169,7 @@ def decide(
     *,
     pinned: frozenset[str] = frozenset(),
     dense: frozenset[str] = frozenset(),
+    shard_sizes: list[list[int]] = (),
 ) -> TableDecision:
     """Where ``table`` runs, from its (unsharded) ``weight``'s annotation and its sharding.
 
@@ -177,12 +178,17 @@ def decide(
         compute_kernel: the plan's kernel for it; "dense" pins a fusable table to the fallback.
         torch_made: shared by the tables of one module (see :func:`annotation_of`).
         pinned: tables named in ``fallback_tables``; ``dense``: in ``dense_tables``.
+        shard_sizes: the ``[rows, cols]`` of each shard; a shard with none of either keeps the
+            table out of FBGEMM's CPU kernel, which refuses an empty table.
 
     Raises:
         ValueError: the table is split along an axis its optimizer is not separable by and
-            has no cross-shard form; its optimizer needs a closure.
+            has no cross-shard form; its optimizer needs a closure; the plan names a compute
+            kernel we do not run (:data:`RUNNABLE_KERNELS`).
+        NotImplementedError: a weight that is not float32.
         NotImplementedError: a table with no annotation is in a gradient clipping set.
     """
+    _check_runnable(table, weight, compute_kernel, device_type)
     frozen = not weight.requires_grad
     group = None if frozen else annotation_of(weight, table, torch_made)
     clip = None if frozen else clipping_of(weight)
@@ -192,11 +198,38 @@ def decide(
         _check_unannotated_clip(table, clip)
     else:
         choice = _choice(table, group, compute_kernel, device_type, pinned, dense, clip)
+        if choice.fused and device_type == "cpu" and any(0 in size for size in shard_sizes):
+            choice = KernelChoice(False, reason="a shard with no rows: FBGEMM's CPU kernel cannot hold an empty table")
         cross_shard = _check_separable(table, group, sharding_type, shard_offsets)
     spec = None if group is None else group.spec
     kind = kernel_kind(spec, choice, sharding_type, frozen=frozen, cross_shard=cross_shard,
                        dense_requested=table in dense)
     return TableDecision(table, sharding_type, shape, group, choice, kind, device_type, clip)
+
+
+# The compute kernels a plan may name, per device type: "fused" is TorchRec's planner's name for
+# every model-parallel kernel, "dense" pins a table to the fallback; FBGEMM runs the same update in
+# UVM (CUDA). Anything else (key_value, ssd, quant...) is a kernel we do not run.
+RUNNABLE_KERNELS = {
+    "cpu": frozenset({"dense", "fused"}),
+    "cuda": frozenset({"dense", "fused", "fused_uvm", "fused_uvm_caching"}),
+}
+
+
+def _check_runnable(table: str, weight: torch.Tensor, compute_kernel: str, device_type: str) -> None:
+    """Refuse, by table, a plan's compute kernel that we do not run, and a weight that is not float32."""
+    runnable = RUNNABLE_KERNELS.get(device_type, RUNNABLE_KERNELS["cpu"])
+    if compute_kernel not in runnable:
+        raise ValueError(
+            f"table {table!r}: the plan gives it compute kernel {compute_kernel!r}, which overlap-optim does not run "
+            f"on {device_type}; a plan may give {sorted(runnable)} (\"dense\" pins the table to the fallback)"
+        )
+    if weight.dtype != torch.float32:
+        raise NotImplementedError(
+            f"table {table!r} holds its weights in {weight.dtype}: low-precision tables are not exact yet (FBGEMM "
+            "rounds each update twice, the fallback keeps its state in that dtype), so only float32 tables are "
+            "sharded; build the table with data_type=DataType.FP32"
+        )
 
 
 def _check_unannotated_clip(table: str, clip: GradientClipping | None) -> None:

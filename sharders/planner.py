@@ -159,7 +159,9 @@ class FittingEnumerator(EmbeddingEnumerator):
                 option.name, option.tensor, option.sharding_type, [list(s.offset) for s in option.shards],
                 option.compute_kernel, tuple(option.tensor.shape), self._device,
                 self._torch_made.setdefault(id(module), {}),
-                pinned=sharder.fallback_tables, dense=sharder.dense_tables,
+                pinned=sharder.named_in("fallback_tables", path, [option.name]),
+                dense=sharder.named_in("dense_tables", path, [option.name]),
+                shard_sizes=[list(s.size) for s in option.shards],
             )
         except (ValueError, NotImplementedError) as err:
             return str(err)

@@ -66,11 +66,12 @@ def test_grad_is_released_and_weight_updated_in_backward():
          r"RowWiseAdagrad does not take the kwarg\(s\) \['betas'\]; it accepts \['lr', 'lr_decay'"),
         (torch.optim.SGD, {"lr": -1.0}, ValueError, "rejected a value: Invalid learning rate: -1.0"),
         (torch.optim.Adam, {"betas": (1.5, 0.9)}, ValueError, "Invalid beta parameter at index 0: 1.5"),
+        (torch.optim.Adam, {"betas": (0.9,)}, ValueError, r"rejected a value: its constructor failed with IndexError"),
         (torch.optim.LBFGS, {}, ValueError, "LBFGS cannot run per parameter in backward: its step.. needs a closure"),
         (torch.optim.SparseAdam, {}, ValueError, "SparseAdam.* cannot step a 2-d .*dense gradients"),
     ],
     ids=["module-class", "string", "adam-momentum", "rowwise-swallowed-kwarg", "negative-lr",
-         "betas", "lbfgs", "sparse-adam"],
+         "betas", "betas-too-short", "lbfgs", "sparse-adam"],
 )
 def test_bad_optimizer_is_refused_and_nothing_changes(cls, kwargs, err, match):
     model = TinyModel()
@@ -89,6 +90,16 @@ def test_bad_params_are_refused():
     with pytest.raises(TypeError, match=r"params\[0\] is a str, not a tensor"):
         apply_optimizer_in_backward(torch.optim.SGD, ["w"], {"lr": 0.1})
     assert _bare([live, frozen])
+
+
+def test_a_non_leaf_tensor_is_refused_before_any_parameter_is_annotated():
+    lin = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"params\[1\] \(shape \(2, 2\)\) is not a leaf tensor .*MulBackward0"):
+        apply_optimizer_in_backward(torch.optim.SGD, [lin.bias, lin.weight * 2], {"lr": 0.1})
+    assert _bare(lin.parameters())  # the bias before it was left alone: the corrected call goes through
+    apply_optimizer_in_backward(torch.optim.SGD, [lin.bias, lin.weight], {"lr": 0.1})
+    lin(torch.ones(1, 2)).sum().backward()
+    assert lin.bias.grad is None and lin.weight.grad is None
 
 
 def test_second_annotation_is_refused_unless_replace():

@@ -31,3 +31,10 @@ def test_readme_opens_with_the_two_commands():
     assert "make demo" in head and "make test" in head
     makefile = (ROOT / "Makefile").read_text()
     assert "examples/movielens.py" in makefile.split("demo:")[1].split("\n\n")[0]
+
+
+def test_refusals_page_is_generated_from_the_list_the_matrix_reads():
+    from sharders import refusals
+
+    assert (ROOT / "docs" / "refusals.md").read_text() == refusals.markdown(), (
+        "regenerate: python -m sharders.refusals > docs/refusals.md")

@@ -67,6 +67,17 @@ def test_refusals_name_the_table():
         sharders.EmbeddingBagCollectionSharder(fused_params={"optimizer": "sgd", "learning_rate": 0.1})
 
 
+@pytest.mark.parametrize("sharder", [sharders.EmbeddingBagCollectionSharder, sharders.EmbeddingCollectionSharder])
+def test_fused_params_that_change_the_update_are_refused(sharder):
+    # Accepted on the main of 2026-11-26: FBGEMM clamped the pooled output gradient, fused SGD ended 0.043 from
+    # torch.optim (which moved 0.044), and describe() still said fused EXACT_SGD.
+    for params in ({"gradient_clipping": True, "max_gradient": 1e-3}, {"weight_decay_mode": "COWCLIP"},
+                   {"momentum": 0.5}, {"output_dtype": "FP16"}):
+        with pytest.raises(ValueError, match=rf"fused_params \[.*'{sorted(params)[0]}'.*\]: FBGEMM would change"):
+            sharder(fused_params=params)
+    sharder(fused_params={"cache_load_factor": 0.2, "stochastic_rounding": False})  # placement only: accepted
+
+
 def test_docs_show_the_decision_table():
     docs = (Path(__file__).resolve().parents[1] / "docs" / "optimizers.md").read_text()
     assert decision_table_markdown(DOC_EXAMPLES) in docs, "regenerate: python -m sharders.optimizer_table"
@@ -173,7 +184,8 @@ def test_dense_tables_input_is_checked_by_name(world_of_one):
 
     with pytest.raises(TypeError, match="dense_tables takes table names, got the string 't0'"):
         sharders.EmbeddingBagCollectionSharder(dense_tables="t0")
-    for dense, message in ((["t0", "t9"], r"dense_tables names tables this module does not have: \['t9'\]"),
+    for dense, message in ((["t0", "t9"], r"dense_tables names 't9', which is no table of the model; its tables are "
+                                          r"\['ebc.t0', 'ebc.t1'\]"),
                            (["t1"], r"dense_tables names tables with no in-backward optimizer: \['t1'\]")):
         model = TinyModel()
         apply_optimizer_in_backward(torch.optim.Adam, model.ebc.embedding_bags["t0"].parameters(), {"lr": 0.1})

@@ -1,0 +1,139 @@
+"""What is refused, and why: the one list of combinations that cannot be made exact.
+
+Every other combination of annotations, sharding, collections, batches and training loop trains
+exactly as ``torch.optim`` on the unsharded model. Each entry here is refused at the stage it names,
+on every rank, before anything changes, with a message that names the table or setting and matches
+:attr:`Refusal.match`.
+
+This list is the source of ``docs/refusals.md`` (``python -m sharders.refusals``) and of what the
+promise matrix (``tests/test_promise_matrix.py``) accepts as a refusal: an outcome that is neither
+exact nor one of these is a failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+__all__ = ["Refusal", "REFUSALS", "refusal", "markdown"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """One refused combination.
+
+    Attributes:
+        name: its key.
+        combination: what the user asked for, in their words.
+        stage: when it is refused: "annotate", "shard" or "first step".
+        why: why it cannot be exact (or is not built).
+        instead: what works.
+        match: a regular expression the refusal's message matches.
+    """
+
+    name: str
+    combination: str
+    stage: str
+    why: str
+    instead: str
+    match: str
+
+    def matches(self, message: str) -> bool:
+        return re.search(self.match, message) is not None
+
+
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal(
+        "fused_params_update_keys",
+        "fused_params keys that change FBGEMM's update or lookup: gradient_clipping / max_gradient, "
+        "weight_decay_mode (COWCLIP, counter-based), momentum, beta1, beta2, eta, output_dtype, cache_precision",
+        "sharder",
+        "FBGEMM's gradient clipping clamps the pooled output gradient, not the rows' gradients; the others "
+        "change the update or its precision, where every table steps exactly as torch.optim",
+        "clip with overlap_optim.apply_gradient_clipping; set optimizer settings in the annotation",
+        r"fused_params \[.*\]: FBGEMM would change the update",
+    ),
+    Refusal(
+        "unrunnable_compute_kernel",
+        "a plan whose compute kernel for a table is not one we run: key_value, ssd, quant..., and fused_uvm or "
+        "fused_uvm_caching on CPU",
+        "shard",
+        "the table would silently run in another kernel than the plan says",
+        "compute kernel \"fused\" (or \"dense\" to pin the table to the fallback)",
+        r"the plan gives it compute kernel .* which overlap-optim does not run",
+    ),
+    Refusal(
+        "low_precision_table",
+        "a table whose weights are not float32 (EmbeddingBagConfig(data_type=DataType.FP16), BF16...)",
+        "shard",
+        "FBGEMM rounds each fp16 update twice, the fallback keeps its state in fp16, and FBGEMM's CPU kernels "
+        "have no BF16 lookup: not exact yet",
+        "float32 tables",
+        r"low-precision tables are not exact yet",
+    ),
+    Refusal(
+        "not_separable",
+        "a table split into column (row) shards whose optimizer's update is not separable by columns "
+        "(rows) and has no cross-shard form: torchrec's RowWiseAdagrad on column_wise or table_column_wise",
+        "shard",
+        "its per-row statistic spans the columns that the shards split: stepping each shard alone "
+        "differs from stepping the whole table",
+        "table_wise, row_wise, table_row_wise or data_parallel for that table",
+        r"is not separable by (rows|columns)",
+    ),
+    Refusal(
+        "clipped_user_table",
+        "a sharded table with no in-backward optimizer in a gradient clipping set",
+        "shard",
+        "its gradient goes to your own optimizer after backward, outside the clipping round",
+        "annotate the table, or leave it out of the set",
+        r"has no in-backward optimizer and is in a gradient clipping set",
+    ),
+    Refusal(
+        "clipped_unreduced_dense",
+        "on several ranks, a dense parameter without an annotation in a gradient clipping set, under a DDP "
+        "that is not overlap_optim's (TorchRec's default data_parallel_wrapper, plain DDP)",
+        "first step",
+        "the clipping round cannot tell whether that DDP has reduced the gradient when it measures the norm",
+        "DistributedModelParallel(..., data_parallel_wrapper=sharders.DataParallelWrapper())",
+        r"with no annotation is in the clipping set, and no DDP hook of overlap_optim reduces it",
+    ),
+    Refusal(
+        "ambiguous_table_option",
+        "a bare table name in fallback_tables or dense_tables that tables of two collections of the model share",
+        "shard",
+        "it could mean either table",
+        "qualify it with the collection's path: dense_tables=[\"ebc_a.t0\"]",
+        r"a table of each of the modules",
+    ),
+)
+
+
+def refusal(name: str) -> Refusal:
+    """The entry named ``name``; KeyError listing the names for an unknown one."""
+    for entry in REFUSALS:
+        if entry.name == name:
+            return entry
+    raise KeyError(f"no refusal named {name!r}; known: {[r.name for r in REFUSALS]}")
+
+
+def markdown() -> str:
+    """``docs/refusals.md``."""
+    lines = [
+        "# What is refused, and why",
+        "",
+        "<!-- Generated from sharders/refusals.py: python -m sharders.refusals > docs/refusals.md -->",
+        "",
+        "Every other combination trains exactly as `torch.optim` on the unsharded model; the promise",
+        "matrix (`make test-matrix`) samples them. Each of these is refused on every rank at once, before",
+        "anything changes, with a message that names the table or the setting.",
+        "",
+        "| combination | refused at | why | instead |",
+        "| --- | --- | --- | --- |",
+    ]
+    lines += [f"| {r.combination} | {r.stage} | {r.why} | {r.instead} |" for r in REFUSALS]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")
