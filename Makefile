@@ -14,7 +14,7 @@ PINS := -c requirements/constraints.txt
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: env demo test bench-smoke constraints clean
+.PHONY: env demo test test-matrix bench-smoke constraints clean
 
 env: $(STAMP)
 
@@ -37,6 +37,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The promise matrix at scale: MATRIX_EXAMPLES sampled configurations (default 2000) from a random
+# seed, printed at the end; repeat a run with PYTEST_ARGS=--hypothesis-seed=N.
+test-matrix: $(STAMP)
+	HYPOTHESIS_PROFILE=matrix $(PY) -m pytest tests/test_promise_matrix.py --hypothesis-show-statistics $(PYTEST_ARGS)
 
 constraints: $(STAMP)
 	@{ echo "# Every package of the environment, pinned. Regenerate: make constraints"; \

@@ -1,0 +1,615 @@
+"""The promise matrix: a whole configuration, drawn; ours sharded beside an independent reference.
+
+A :class:`Config` names everything a user chooses: the collections and their tables (rows that
+do not divide by the world size, a sharding type, an optimizer or none or frozen, dense
+semantics, pooling, a table shared by two features, weighted features), the batches (every row
+touched, or a third of the rows), the dense part (our DDP hook, or the user's optimizer), and the
+loop (clipping by norm or by value over a set, ``no_step`` micro-batches, a scheduler, a
+checkpoint mid-run in one of the forms users write), on 1 or 2 ranks.
+
+:func:`run` (a rank body, spawned) builds the reference **from the config alone**, with plain
+``nn.EmbeddingBag``, ``nn.Embedding`` and ``torch.optim`` (or the optimizer's own package) in one
+process on the global batch; lazy tables, whose untouched rows do not move, are held to torch's
+sparse references (``SparseAdam``; SGD, Adagrad and row-wise Adagrad, whose untouched rows do not
+move on a zero gradient). Nothing of ``overlap_optim`` or ``sharders`` builds it. Ours is the
+TorchRec model annotated and sharded as a user would; weights are compared after every step.
+
+The outcome is "exact", with every table's difference after every step and how far the reference
+moved, or a refusal (its stage, type and message, and whether the model was left unchanged). The
+parent (``tests/test_promise_matrix.py``) says which refusals the docs list
+(:mod:`sharders.refusals`) and checks each outcome against that.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import os
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec import (
+    DataType, EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor,
+    PoolingType,
+)
+
+DIM = 8  # two column shards of 4 (min_partition) on column splits
+BATCH = 4  # samples per rank and micro-batch
+BINDING = 0.3  # a clipping bound, as a fraction of the first step's norm (or largest element)
+TOL = 1e-5
+
+
+# name -> (import path of the class, kwargs, layer-wise, lazy reference: the class torch offers for
+# lazy semantics (untouched rows and their state unchanged), or None where there is none)
+OPTIMIZERS: dict[str, tuple[str, dict[str, Any], bool, str | None]] = {
+    "sgd": ("torch.optim.SGD", {"lr": 0.1}, False, "torch.optim.SGD"),
+    "sgd_momentum": ("torch.optim.SGD", {"lr": 0.1, "momentum": 0.9}, False, None),
+    "adagrad": ("torch.optim.Adagrad", {"lr": 0.1, "eps": 1e-8}, False, "torch.optim.Adagrad"),
+    "rowwise_adagrad": ("torchrec.optim.rowwise_adagrad.RowWiseAdagrad", {"lr": 0.1}, False,
+                        "torchrec.optim.rowwise_adagrad.RowWiseAdagrad"),
+    # eps=1e-12: SparseAdam, the lazy reference, places eps outside the bias correction
+    "adam": ("torch.optim.Adam", {"lr": 0.05, "eps": 1e-12}, False, "torch.optim.SparseAdam"),
+    "adamw": ("torch.optim.AdamW", {"lr": 0.05, "weight_decay": 0.1}, False, None),
+    "rmsprop": ("torch.optim.RMSprop", {"lr": 0.01}, False, None),
+    "adafactor": ("torch.optim.Adafactor", {"lr": 0.05}, True, None),
+    "lamb": ("pytorch_optimizer.Lamb", {"lr": 0.05, "weight_decay": 0.01}, True, None),  # third-party
+}
+NO_OPTIMIZER = ("user", "frozen")  # the user's own optimizer steps it; requires_grad=False
+USER_OPTIMIZER = ("torch.optim.SGD", {"lr": 0.1})
+DENSE_OPTIMIZER = ("torch.optim.Adam", {"lr": 0.02})  # the MLP, in our DDP hook
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    name: str  # TorchRec's table name: unique within its collection
+    collection: str  # "ebc", "ebc_b" (a second EBC) or "ec": the model's attribute that holds it
+    rows: int
+    sharding: str
+    optimizer: str  # a key of OPTIMIZERS, or one of NO_OPTIMIZER
+    dense: bool = False  # named in the sharder's dense_tables
+    mean: bool = False  # MEAN pooling (EBC)
+    shared: bool = False  # looked up by two features
+    fp16: bool = False  # EmbeddingBagConfig(data_type=DataType.FP16)
+    kernel: str | None = None  # a hand-made plan's compute kernel for it (None: the planner's)
+
+    @property
+    def key(self) -> str:
+        """Unique in the model."""
+        return f"{self.collection}__{self.name}"
+
+    @property
+    def bagged(self) -> bool:
+        return self.collection != "ec"
+
+    @property
+    def fqn(self) -> str:
+        return f"{self.collection}.{'embedding_bags' if self.bagged else 'embeddings'}.{self.name}.weight"
+
+    @property
+    def features(self) -> list[str]:
+        return [f"{self.key}_a", f"{self.key}_b"] if self.shared else [f"{self.key}_a"]
+
+    @property
+    def lazy(self) -> bool:
+        """The documented semantics: a model-parallel table not in dense_tables whose optimizer is
+        row-separable (not layer-wise) is lazy; every other table is dense."""
+        if self.optimizer in NO_OPTIMIZER:
+            return False
+        return self.sharding != "data_parallel" and not self.dense and not OPTIMIZERS[self.optimizer][2]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    tables: tuple[Table, ...]
+    world_size: int = 2
+    weighted: bool = False  # the EBCs' features carry weights
+    qualified: bool = False  # dense_tables names tables as "<collection>.<table>"
+    fused_params: tuple[tuple[str, Any], ...] = ()  # the sharders' fused_params
+    cover: bool = True  # every batch touches every row (else a third of the rows)
+    # "hook": the MLP annotated (Adam, our DDP hook); "user": the user's SGD (our wrapper, DDP without a
+    # hook of ours); "user_ddp": the user's SGD under TorchRec's default DDP wrapper
+    dense_part: str = "hook"
+    clip: tuple[str, str] | None = None  # ("norm" | "value", "tables" | "everything")
+    micro: int = 1  # micro-batches per step (the first ones in no_step)
+    schedule: bool = False  # a LambdaLR through get_optimizers, the same on each reference optimizer
+    checkpoint: str | None = None  # "in_place", "torch_save", "other_plan", mid-run
+    steps: int = 3
+    seed: int = 0
+
+    def collections(self) -> list[str]:
+        return [c for c in COLLECTIONS if any(t.collection == c for t in self.tables)]
+
+    def features(self, collection: str | None = None) -> list[str]:
+        return [f for t in self.tables if collection in (None, t.collection) for f in t.features]
+
+
+def _class(path: str) -> type:
+    module, _, name = path.rpartition(".")
+    return getattr(__import__(module, fromlist=[name]), name)
+
+
+# -- the models --
+
+
+COLLECTIONS = ("ebc", "ebc_b", "ec")
+
+
+class Model(nn.Module):
+    """The TorchRec model of a config: up to two EBCs and an EC, and an MLP over every feature."""
+
+    def __init__(self, config: Config, device: str = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        for collection in config.collections():
+            mine = [t for t in config.tables if t.collection == collection]
+            if collection == "ec":
+                module = EmbeddingCollection(tables=[
+                    EmbeddingConfig(name=t.name, embedding_dim=DIM, num_embeddings=t.rows, feature_names=t.features,
+                                    data_type=DataType.FP16 if t.fp16 else DataType.FP32)
+                    for t in mine
+                ], device=torch.device(device))
+            else:
+                module = EmbeddingBagCollection(tables=[
+                    EmbeddingBagConfig(name=t.name, embedding_dim=DIM, num_embeddings=t.rows, feature_names=t.features,
+                                       pooling=PoolingType.MEAN if t.mean else PoolingType.SUM,
+                                       data_type=DataType.FP16 if t.fp16 else DataType.FP32) for t in mine
+                ], is_weighted=config.weighted, device=torch.device(device))
+            setattr(self, collection, module)
+        self.dense = nn.Sequential(nn.Linear(len(config.features()) * DIM, 4, device=device), nn.Tanh(),
+                                   nn.Linear(4, 1, device=device))
+
+    def tables(self) -> dict[str, nn.Module]:
+        """Table key -> the module that holds its weight."""
+        out = {}
+        for t in self.config.tables:
+            module = getattr(self, t.collection)
+            out[t.key] = (module.embedding_bags if t.bagged else module.embeddings)[t.name]
+        return out
+
+    def forward(self, kjts: dict[str, KeyedJaggedTensor]) -> torch.Tensor:
+        parts = {}
+        for collection, kjt in kjts.items():
+            out = getattr(self, collection)(kjt)
+            for f in self.config.features(collection):
+                parts[f] = _position_weighted(out[f].lengths(), out[f].values()) if collection == "ec" else out[f]
+        return self.dense(torch.cat([parts[f] for f in self.config.features()], dim=1)).squeeze(1)
+
+
+class Reference(nn.Module):
+    """The same model in plain torch: ``nn.EmbeddingBag`` (sum or mean, per-sample weights) and
+    ``nn.Embedding`` (rows weighted by position), on the global batch."""
+
+    def __init__(self, config: Config, weights: dict[str, torch.Tensor], dense: nn.Module) -> None:
+        super().__init__()
+        self.config = config
+        self.tables = nn.ModuleDict()
+        for t in config.tables:
+            table = nn.EmbeddingBag(t.rows, DIM, mode="mean" if t.mean else "sum") if t.bagged else nn.Embedding(t.rows, DIM)
+            with torch.no_grad():
+                table.weight.copy_(weights[t.key])
+            self.tables[t.key] = table
+        self.dense = copy.deepcopy(dense)
+
+    def forward(self, batch: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
+        parts = []
+        for t in self.config.tables:
+            for feature in t.features:
+                lengths, values, weights = batch[feature]
+                if t.bagged:
+                    offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)[:-1]])
+                    parts.append(self.tables[t.key](values, offsets, per_sample_weights=weights))
+                else:
+                    parts.append(_position_weighted(lengths, self.tables[t.key](values)))
+        return self.dense(torch.cat(parts, dim=1)).squeeze(1)
+
+
+def _position_weighted(lengths: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``[batch, dim]``: each sample's rows times ``1 / (1 + position)``, summed."""
+    sample = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    position = torch.arange(values.shape[0]) - starts[sample]
+    weighted = values / (1.0 + position.to(values.dtype))[:, None]
+    return values.new_zeros(lengths.numel(), values.shape[1]).index_add(0, sample, weighted)
+
+
+# -- batches --
+
+
+def make_batch(config: Config, generator: torch.Generator) -> dict[str, Any]:
+    """One rank's micro-batch: feature -> (lengths, ids, weights or None), and the targets. With
+    ``cover``, sample 0 holds every row; else every id is in the first third of the rows."""
+    out: dict[str, Any] = {}
+    for t in config.tables:
+        for feature in t.features:
+            lengths, values = [], []
+            for sample in range(BATCH):
+                if config.cover and sample == 0:
+                    ids = torch.randperm(t.rows, generator=generator)
+                else:
+                    high = t.rows if config.cover else max(1, t.rows // 3)
+                    ids = torch.randint(0, high, (int(torch.randint(1, 4, (1,), generator=generator)),),
+                                        generator=generator)
+                lengths.append(ids.numel())
+                values.append(ids)
+            values = torch.cat(values)
+            weighted = config.weighted and t.bagged
+            weights = torch.rand(values.numel(), generator=generator) + 0.5 if weighted else None
+            out[feature] = (torch.tensor(lengths), values, weights)
+    out["target"] = torch.randn(BATCH, generator=generator)
+    return out
+
+
+def global_batch(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every rank's samples, rank after rank."""
+    out = {}
+    for key in parts[0]:
+        if key == "target":
+            out[key] = torch.cat([p[key] for p in parts])
+            continue
+        weights = [p[key][2] for p in parts]
+        out[key] = (torch.cat([p[key][0] for p in parts]), torch.cat([p[key][1] for p in parts]),
+                    None if weights[0] is None else torch.cat(weights))
+    return out
+
+
+def kjts(config: Config, batch: dict[str, Any]) -> dict[str, KeyedJaggedTensor]:
+    """The batch as TorchRec takes it: one KJT per collection."""
+    out = {}
+    for collection in config.collections():
+        features = config.features(collection)
+        weights = [batch[f][2] for f in features]
+        out[collection] = (KeyedJaggedTensor.from_lengths_sync(
+            keys=features, values=torch.cat([batch[f][1] for f in features]),
+            lengths=torch.cat([batch[f][0] for f in features]),
+            weights=None if weights[0] is None else torch.cat(weights),
+        ))
+    return out
+
+
+def _loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (prediction - target).pow(2).mean()
+
+
+# -- the reference --
+
+
+class ReferenceTrainer:
+    """One process, the global batch: backward on each micro-batch (gradients add up), then
+    torch's clipping over the set, then each optimizer's step."""
+
+    def __init__(self, config: Config, model: Reference) -> None:
+        self.config, self.model = config, model
+        self.optimizers: list[torch.optim.Optimizer] = []  # those of annotated parameters
+        self.users: list[torch.optim.Optimizer] = []  # the user's own (not scheduled)
+        self.lazy: dict[str, torch.optim.Optimizer] = {}  # table -> its sparse reference
+        for t in config.tables:
+            weight = model.tables[t.key].weight
+            if t.optimizer == "frozen":
+                weight.requires_grad_(False)
+            elif t.optimizer == "user":
+                self.users.append(_class(USER_OPTIMIZER[0])([weight], **USER_OPTIMIZER[1]))
+            else:
+                path, kwargs, _, lazy_path = OPTIMIZERS[t.optimizer]
+                if t.lazy and not config.cover:
+                    assert lazy_path is not None, f"{t}: no lazy reference (the strategy must not draw it)"
+                    path = lazy_path
+                optimizer = _class(path)([weight], **kwargs)
+                self.optimizers.append(optimizer)
+                if t.lazy and path == "torch.optim.SparseAdam":
+                    self.lazy[t.key] = optimizer
+        if config.dense_part != "hook":
+            self.users.append(_class(USER_OPTIMIZER[0])(model.dense.parameters(), **USER_OPTIMIZER[1]))
+        else:
+            self.optimizers.append(_class(DENSE_OPTIMIZER[0])(model.dense.parameters(), **DENSE_OPTIMIZER[1]))
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in self.optimizers] if config.schedule else []
+
+    def clip_set(self) -> list[torch.Tensor]:
+        if self.config.clip is None:
+            return []
+        tables = [self.model.tables[t.key].weight for t in self.config.tables if t.optimizer != "frozen"]
+        return tables + (list(self.model.dense.parameters()) if self.config.clip[1] == "everything" else [])
+
+    def bound(self, micro_batches: list[dict[str, Any]]) -> float:
+        """``BINDING`` times the first step's norm (largest element) of the clipped set: a bound that clips."""
+        probe = copy.deepcopy(self)
+        probe.backward(micro_batches)
+        grads = [p.grad for p in probe.clip_set() if p.grad is not None]
+        if self.config.clip[0] == "value":
+            return BINDING * max(g.abs().max().item() for g in grads)
+        return BINDING * torch.nn.utils.get_total_norm(grads).item()
+
+    def backward(self, micro_batches: list[dict[str, Any]]) -> None:
+        for batch in micro_batches:
+            _loss(self.model(batch), batch["target"]).backward()
+
+    def step(self, micro_batches: list[dict[str, Any]], bound: float | None) -> None:
+        self.backward(micro_batches)
+        if self.config.clip is not None:
+            members = self.clip_set()
+            if self.config.clip[0] == "norm":
+                torch.nn.utils.clip_grad_norm_(members, bound)
+            else:
+                torch.nn.utils.clip_grad_value_(members, bound)
+        for key in self.lazy:  # the touched rows, coalesced: what a lazy table steps on
+            weight = self.model.tables[key].weight
+            touched = torch.unique(torch.cat([b[f][1] for b in micro_batches for t in self.config.tables
+                                              if t.key == key for f in t.features]))
+            weight.grad = torch.sparse_coo_tensor(touched[None], weight.grad[touched], weight.shape).coalesce()
+        for optimizer in self.optimizers + self.users:
+            optimizer.step()
+        for scheduler in self.schedulers:
+            scheduler.step()
+        self.model.zero_grad(set_to_none=True)
+
+
+def schedule(step: int) -> float:
+    """A warm-up, then a decay: every step a new lr."""
+    return (step + 1) / 3 if step < 2 else 0.6 ** (step - 1)
+
+
+# -- ours --
+
+
+def _sharding_types(config: Config, other_plan: bool) -> dict[str, str]:
+    """Each table's sharding type; ``other_plan``: another model-parallel type for each
+    model-parallel table, that keeps the table's semantics and splits it as its optimizer allows."""
+    if not other_plan:
+        return {t.name: t.sharding for t in config.tables}  # a second EBC's table of the same name: the same
+    swap = {"table_wise": "row_wise", "row_wise": "table_wise", "column_wise": "table_wise",
+            "table_row_wise": "column_wise", "table_column_wise": "row_wise"}
+    out: dict[str, str] = {}
+    for t in config.tables:  # tables of one name share one type (TorchRec's constraints go by name)
+        new = out.get(t.name, swap.get(t.sharding, t.sharding))
+        if not t.bagged and new not in EC_SHARDING_TYPES:
+            new = "table_wise"
+        if t.optimizer == "rowwise_adagrad" and new in ("column_wise", "table_column_wise"):
+            new = "table_wise"
+        out[t.name] = new
+    return out
+
+
+EBC_SHARDING_TYPES = ("data_parallel", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
+EC_SHARDING_TYPES = ("data_parallel", "table_wise", "column_wise", "row_wise")
+
+
+class Ours:
+    """The TorchRec model, annotated, clipped and sharded as a user would, and its optimizers."""
+
+    def __init__(self, config: Config, weights: dict[str, torch.Tensor], dense: nn.Module, bound: float | None,
+                 other_plan: bool = False) -> None:
+        import overlap_optim
+
+        self.config, self.weights = config, weights
+        model = Model(config)
+        with torch.no_grad():
+            for src, dst in zip(dense.parameters(), model.dense.parameters()):
+                dst.copy_(src)
+        self.unsharded = model
+        tables = model.tables()
+        for t in config.tables:
+            weight = tables[t.key].weight
+            if t.optimizer == "frozen":
+                weight.requires_grad_(False)
+            elif t.optimizer != "user":
+                path, kwargs, _, _ = OPTIMIZERS[t.optimizer]
+                overlap_optim.apply_optimizer_in_backward(_class(path), [weight], kwargs)
+        if config.dense_part == "hook":
+            overlap_optim.apply_optimizer_in_backward(_class(DENSE_OPTIMIZER[0]), model.dense.parameters(),
+                                                      DENSE_OPTIMIZER[1])
+        self.clip = None
+        if config.clip is not None:
+            members = [tables[t.key].weight for t in config.tables if t.optimizer != "frozen"]
+            members += list(model.dense.parameters()) if config.clip[1] == "everything" else []
+            how = {"max_norm": bound} if config.clip[0] == "norm" else {"clip_value": bound}
+            self.clip = overlap_optim.apply_gradient_clipping(members, **how)
+        self.other_plan = other_plan
+
+    def shard(self) -> Ours:
+        """Shard the annotated model under DMP (our sharders and, with the hook, our wrapper)."""
+        import overlap_optim
+        import sharders
+        from torchrec.distributed import DistributedModelParallel
+        from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+
+        config, model = self.config, self.unsharded
+        def dense_tables(bagged: bool) -> list[str]:
+            return [f"{t.collection}.{t.name}" if config.qualified else t.name
+                    for t in config.tables if t.dense and t.bagged == bagged]
+        sharder_list = []
+        fused_params = dict(config.fused_params) or None
+        if any(t.bagged for t in config.tables):
+            sharder_list.append(sharders.EmbeddingBagCollectionSharder(fused_params, dense_tables=dense_tables(True)))
+        if any(not t.bagged for t in config.tables):
+            sharder_list.append(sharders.EmbeddingCollectionSharder(fused_params, dense_tables=dense_tables(False)))
+        types = _sharding_types(config, self.other_plan)
+        constraints = {n: ParameterConstraints(sharding_types=[s], min_partition=4) for n, s in types.items()}
+        world = dist.get_world_size()
+        planner = EmbeddingShardingPlanner(
+            topology=Topology(world_size=world, compute_device="cpu", local_world_size=world), constraints=constraints,
+        )
+        plan = planner.collective_plan(model, sharder_list, dist.group.WORLD)
+        for t in config.tables:  # a hand-made plan
+            if t.kernel is not None:
+                plan.plan[t.collection][t.name].compute_kernel = t.kernel
+        wrapper = {} if config.dense_part == "user_ddp" else {"data_parallel_wrapper": sharders.DataParallelWrapper()}
+        self.dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharder_list,
+                                            **wrapper)
+        with torch.no_grad():  # sharding re-initialises tables
+            for t in config.tables:
+                full = self.weights[t.key]
+                for row, col, piece in self.pieces(t):
+                    piece.copy_(full[row : row + piece.shape[0], col : col + piece.shape[1]])
+        self.keyed = overlap_optim.get_optimizers(self.dmp)
+        users = overlap_optim.unoptimized_parameters(self.dmp)
+        self.user = _class(USER_OPTIMIZER[0])(list(users.values()), **USER_OPTIMIZER[1]) if users else None
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(self.keyed, schedule)] if config.schedule else []
+        return self
+
+    def pieces(self, table: Table) -> list[tuple[int, int, torch.Tensor]]:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+        value = self.dmp.state_dict()[table.fqn]
+        if isinstance(value, ShardedTensor):
+            return [(s.metadata.shard_offsets[0], s.metadata.shard_offsets[1], s.tensor) for s in value.local_shards()]
+        return [(0, 0, value)]
+
+    def step(self, micro_batches: list[dict[str, Any]]) -> None:
+        import overlap_optim
+
+        for index, batch in enumerate(micro_batches):
+            def backward() -> None:
+                _loss(self.dmp(kjts(self.config, batch)), batch["target"]).backward()
+            if index < len(micro_batches) - 1:
+                with overlap_optim.no_step(self.dmp):
+                    backward()
+            else:
+                backward()
+        self.keyed.step()
+        if self.user is not None:
+            self.user.step()
+            self.user.zero_grad()
+        for scheduler in self.schedulers:
+            scheduler.step()
+
+    def dense_state(self) -> dict[str, torch.Tensor]:
+        state = self.dmp.state_dict()
+        return {k[len("dense."):]: v for k, v in state.items() if k.startswith("dense.")}
+
+
+def _checkpoint(ours: Ours, config: Config, weights: dict[str, torch.Tensor], dense: nn.Module,
+                bound: float | None, directory: str) -> Ours:
+    """The checkpoint of ``config`` taken mid-run; the objects that train on from it."""
+    if config.checkpoint == "in_place":
+        ours.keyed.load_state_dict(ours.keyed.state_dict())
+        return ours
+    scheduler_state = [s.state_dict() for s in ours.schedulers]
+    if config.checkpoint == "torch_save":
+        model_buffer, optim_buffer = io.BytesIO(), io.BytesIO()
+        torch.save(ours.dmp.state_dict(), model_buffer)
+        torch.save(ours.keyed.state_dict(), optim_buffer)
+        fresh = Ours(config, _scrambled(weights), _scrambled_dense(dense), bound).shard()
+        model_buffer.seek(0)
+        optim_buffer.seek(0)
+        fresh.dmp.load_state_dict(torch.load(model_buffer, weights_only=False))
+        fresh.keyed.load_state_dict(torch.load(optim_buffer, weights_only=False))
+    else:  # "other_plan": overlap_optim.checkpoint, loaded under another plan
+        from overlap_optim import checkpoint
+
+        checkpoint.save(directory, ours.dmp, ours.keyed, {"step": 1})
+        fresh = Ours(config, _scrambled(weights), _scrambled_dense(dense), bound, other_plan=True).shard()
+        checkpoint.load(directory, fresh.dmp, fresh.keyed, {})
+    for scheduler, state in zip(fresh.schedulers, scheduler_state):
+        scheduler.load_state_dict(state)
+    # The user's SGD keeps no state (no momentum); its parameters are listed by position, which
+    # another plan changes: nothing of it to carry over.
+    assert ours.user is None or not ours.user.state
+    return fresh
+
+
+def _scrambled(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.randn_like(v) for k, v in weights.items()}
+
+
+def _scrambled_dense(dense: nn.Module) -> nn.Module:
+    other = copy.deepcopy(dense)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.normal_()
+    return other
+
+
+# -- the rank body --
+
+
+def _snapshot(model: nn.Module) -> dict[str, Any]:
+    """Weights, and each parameter's annotation, of the unsharded model."""
+    return {n: (p.detach().clone(), getattr(p, "_overlap_group", None), getattr(p, "_optimizer_classes", None))
+            for n, p in model.named_parameters()}
+
+
+def _unchanged(before: dict[str, Any], model: nn.Module) -> bool:
+    after = _snapshot(model)
+    return before.keys() == after.keys() and all(
+        torch.equal(before[n][0], after[n][0]) and before[n][1] is after[n][1] and before[n][2] == after[n][2]
+        for n in before
+    )
+
+
+def run(rank: int, world_size: int, config: Config, directory: str) -> dict[str, Any]:
+    """Train ``config`` sharded and as the reference, side by side; compare after every step.
+
+    Returns ``{"outcome": "exact", "diffs": {table or "dense": [max diff per step]}, "moved":
+    {...}}``, or ``{"outcome": "refused", "stage": ..., "error": "Type: message", "unchanged":
+    bool}`` for a ValueError, TypeError or NotImplementedError raised at annotation, sharding or
+    the first step (anything else propagates: a crash is a failure).
+    """
+    torch.manual_seed(config.seed)
+    weights = {t.key: torch.randn(t.rows, DIM) for t in config.tables}
+    dense = Model(config).dense
+    reference = ReferenceTrainer(config, Reference(config, weights, dense))
+    start = {n: p.detach().clone() for n, p in reference.model.named_parameters()}
+
+    def micro_batches(step: int) -> list[list[dict[str, Any]]]:
+        generator = torch.Generator().manual_seed(1000 * config.seed + 10 * step)
+        return [[make_batch(config, generator) for _ in range(world_size)] for _ in range(config.micro)]
+
+    bound = None
+    if config.clip is not None:
+        bound = reference.bound([global_batch(parts) for parts in micro_batches(0)])
+    try:
+        ours = Ours(config, weights, dense, bound)
+    except (ValueError, TypeError, NotImplementedError) as err:
+        return _refused("annotate", err, True)
+    before = _snapshot(ours.unsharded)
+    try:
+        ours.shard()
+    except (ValueError, TypeError, NotImplementedError) as err:
+        return _refused("shard", err, _unchanged(before, ours.unsharded))
+    diffs: dict[str, list[float]] = {}
+    for step in range(config.steps):
+        parts = micro_batches(step)
+        try:
+            ours.step([p[rank] for p in parts])
+        except (ValueError, TypeError, NotImplementedError) as err:
+            if step == 0:
+                _compare(ours, reference, diffs)  # the reference has not stepped: all zero if nothing changed
+                return _refused("first step", err, all(d == [0.0] for d in diffs.values()))
+            raise
+        reference.step([global_batch(p) for p in parts], bound)
+        _compare(ours, reference, diffs)
+        if config.checkpoint is not None and step == (config.steps - 1) // 2:
+            ours = _checkpoint(ours, config, weights, dense, bound, directory)
+            _compare(ours, reference, diffs)
+    moved = {n: (p.detach() - start[n]).abs().max().item() for n, p in reference.model.named_parameters()}
+    return {"outcome": "exact", "diffs": diffs, "moved": moved}
+
+
+def _refused(stage: str, err: BaseException, unchanged: bool) -> dict[str, Any]:
+    return {"outcome": "refused", "stage": stage, "error": f"{type(err).__name__}: {err}", "unchanged": unchanged}
+
+
+def _compare(ours: Ours, reference: ReferenceTrainer, diffs: dict[str, list[float]]) -> None:
+    for t in reference.config.tables:
+        full = reference.model.tables[t.key].weight.detach()
+        worst = 0.0
+        for row, col, piece in ours.pieces(t):
+            if piece.numel():
+                want = full[row : row + piece.shape[0], col : col + piece.shape[1]]
+                worst = max(worst, (piece - want).abs().max().item())
+        diffs.setdefault(t.key, []).append(worst)
+    state = ours.dense_state()
+    worst = 0.0
+    for name, ref in reference.model.dense.named_parameters():
+        value = state[name]
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        worst = max(worst, (value - ref.detach()).abs().max().item())
+    diffs.setdefault("dense", []).append(worst)
+
+
+def new_directory() -> str:
+    """A scratch directory for checkpoints, made in the parent (every rank writes under it)."""
+    return tempfile.mkdtemp(prefix="overlap-matrix-", dir=os.environ.get("TMPDIR"))

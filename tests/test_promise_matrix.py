@@ -1,0 +1,173 @@
+"""The promise matrix: every sampled combination is exact, or refused as docs/refusals.md lists.
+
+Hypothesis draws a whole configuration (:class:`_matrix.Config`): EBC, EC or both, tables whose
+rows do not divide by the world size, each with a sharding type its collection supports, an
+optimizer (fused, fallback, layer-wise, third-party), none, frozen, or dense semantics; batches that
+touch every row or a third; weighted features, MEAN pooling, a table shared by two features; our DDP
+hook or the user's optimizer on the MLP; clipping by norm or value over a set, ``no_step``
+micro-batches, a scheduler, a checkpoint mid-run (in place, ``torch.save`` into fresh objects,
+``overlap_optim.checkpoint`` under another plan); 1 or 2 ranks. Each example runs in the spawned
+group that the previous one left (:func:`overlap_optim.testing.run_cases`).
+
+CI runs the "ci" profile: a fixed set of examples (tests/conftest.py). ``make test-matrix`` runs
+thousands; ``--hypothesis-seed=N`` repeats a run. A failing example is shrunk; keep it below as an
+``@example``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from _matrix import (
+    EBC_SHARDING_TYPES, EC_SHARDING_TYPES, NO_OPTIMIZER, OPTIMIZERS, TOL, Config, Table, new_directory, run,
+)
+from overlap_optim.testing import run_cases
+from sharders.collection import SAFE_FUSED_PARAMS
+from sharders.refusals import REFUSALS
+
+COLUMN_SPLITS = ("column_wise", "table_column_wise")
+
+# refusal name -> does ``config`` ask for it (read from the config alone, as the docs say it)
+PREDICATES = {
+    "not_separable": lambda c: any(t.optimizer == "rowwise_adagrad" and t.sharding in COLUMN_SPLITS for t in c.tables),
+    "clipped_user_table": lambda c: c.clip is not None and any(t.optimizer == "user" for t in c.tables),
+    "clipped_unreduced_dense": lambda c: (c.clip is not None and c.clip[1] == "everything" and c.dense_part == "user_ddp"
+                                          and c.world_size > 1),
+    "fused_params_update_keys": lambda c: bool({k for k, _ in c.fused_params} - SAFE_FUSED_PARAMS),
+    "unrunnable_compute_kernel": lambda c: any(t.kernel not in (None, "fused", "dense") for t in c.tables),
+    "low_precision_table": lambda c: any(t.fp16 for t in c.tables),
+    "ambiguous_table_option": lambda c: not c.qualified and any(
+        t.dense and sum(u.bagged and u.name == t.name for u in c.tables) > 1 for t in c.tables if t.bagged),
+}
+
+
+def test_every_documented_refusal_has_a_predicate():
+    assert sorted(PREDICATES) == sorted(r.name for r in REFUSALS)
+
+
+@st.composite
+def tables(draw, collection: str, index: int, cover: bool, weighted: bool, sharding: str | None = None) -> Table:
+    """``sharding``: the type of the other EBC's table of the same name (TorchRec's constraints are by name)."""
+    types = EC_SHARDING_TYPES if collection == "ec" else EBC_SHARDING_TYPES
+    sharding = sharding or draw(st.sampled_from(types))
+    dense = draw(st.booleans()) and sharding != "data_parallel"
+    optimizers = list(OPTIMIZERS) + list(NO_OPTIMIZER)
+    if not cover and sharding != "data_parallel" and not dense:  # lazy: only those with a lazy reference
+        optimizers = [o for o in optimizers if o in NO_OPTIMIZER or OPTIMIZERS[o][2] or OPTIMIZERS[o][3]]
+    optimizer = draw(st.sampled_from(optimizers))
+    dense = dense and optimizer not in NO_OPTIMIZER
+    return Table(
+        # the EC's are named apart from the EBCs' (TorchRec's constraints go by table name)
+        name=f"{'s' if collection == 'ec' else 't'}{index}", collection=collection, rows=draw(st.sampled_from([1, 2, 5, 7, 9, 11, 13])),  # 1 row: an empty row shard
+        sharding=sharding, optimizer=optimizer, dense=dense,
+        mean=collection != "ec" and not weighted and draw(st.booleans()), shared=draw(st.booleans()),
+        # the edges of a user's own inputs, now and then
+        fp16=draw(st.sampled_from([False] * 15 + [True])),
+        kernel=None if sharding == "data_parallel" else draw(st.sampled_from(
+            [None] * 12 + ["fused", "dense", "key_value", "fused_uvm_caching"])),
+    )
+
+
+@st.composite
+def configs(draw) -> Config:
+    collections = draw(st.sampled_from([("ebc",), ("ec",), ("ebc", "ec"), ("ebc", "ebc_b")]))
+    cover = draw(st.booleans())
+    weighted = "ebc" in collections and draw(st.booleans())
+    drawn = []
+    for collection in collections:
+        for index in range(draw(st.integers(1, 3 if len(collections) == 1 else 2))):
+            twin = [t.sharding for t in drawn if t.bagged and collection == "ebc_b" and t.name == f"t{index}"]
+            drawn.append(draw(tables(collection, index, cover, weighted, twin[0] if twin else None)))
+    clip = draw(st.none() | st.tuples(st.sampled_from(["norm", "value"]), st.sampled_from(["tables", "everything"])))
+    if clip is not None and clip[1] == "tables" and all(t.optimizer == "frozen" for t in drawn):
+        clip = None  # an empty set: nothing to clip
+    return Config(
+        tables=tuple(drawn), world_size=draw(st.sampled_from([2, 2, 1])), weighted=weighted, cover=cover,
+        qualified=draw(st.booleans()),
+        fused_params=draw(st.sampled_from([()] * 8 + [
+            (("cache_load_factor", 0.2),), (("stochastic_rounding", False),),
+            (("gradient_clipping", True), ("max_gradient", 1e-3)), (("weight_decay_mode", "COWCLIP"),),
+            (("momentum", 0.5),), (("output_dtype", "FP16"),),
+        ])),
+        dense_part=draw(st.sampled_from(["hook", "user", "user_ddp"])), clip=clip, micro=draw(st.sampled_from([1, 1, 2])),
+        schedule=draw(st.booleans()), checkpoint=draw(st.sampled_from([None, "in_place", "torch_save", "other_plan"])),
+        seed=draw(st.integers(0, 1000)),
+    )
+
+
+T = Table
+
+
+@pytest.fixture(scope="module")
+def directory():
+    return new_directory()
+
+
+@given(config=configs())
+# Regressions: each failed on the main of 2026-11-26 (issue 38).
+# The keyed optimizer could not load its own state dict beside a plain-SGD table (fused, EBC and EC).
+@example(config=Config((T("t0", "ebc", 7, "row_wise", "sgd"), T("t1", "ebc", 9, "table_wise", "adam")),
+                       checkpoint="in_place"))
+@example(config=Config((T("t0", "ec", 7, "column_wise", "sgd"),), checkpoint="torch_save"))
+# A dense_tables table and a lazy fallback table of one sharding type share a TorchRec kernel.
+@example(config=Config((T("t0", "ebc", 7, "column_wise", "sgd_momentum"),
+                        T("t1", "ebc", 9, "column_wise", "sgd_momentum", dense=True))))
+@example(config=Config((T("t0", "ec", 7, "column_wise", "sgd"), T("t1", "ec", 9, "column_wise", "adamw", dense=True)),
+                       cover=False))
+# Clipping by norm where a rank runs no model-parallel kernel of the collection.
+@example(config=Config((T("t0", "ebc", 7, "data_parallel", "adam"), T("t1", "ebc", 9, "data_parallel", "sgd")),
+                       clip=("norm", "tables")))
+@example(config=Config((T("t0", "ebc", 7, "table_wise", "adam"),), clip=("norm", "everything")))
+# A refusal in the second collection left the first one sharded (found by the matrix).
+@example(config=Config((T("t0", "ebc", 5, "data_parallel", "sgd"), T("t0", "ec", 5, "data_parallel", "user")),
+                       clip=("norm", "tables"), cover=False))
+# dense_tables on two EBCs: a bare name failed in the first EBC, qualified names were not understood.
+@example(config=Config((T("t0", "ebc", 7, "row_wise", "adam", dense=True), T("t1", "ebc_b", 9, "table_wise", "sgd")),
+                       cover=False))
+@example(config=Config((T("t0", "ebc", 7, "row_wise", "adam"), T("t0", "ebc_b", 9, "row_wise", "adam", dense=True)),
+                       qualified=True, cover=False))
+@example(config=Config((T("t0", "ebc", 7, "row_wise", "adam"), T("t0", "ebc_b", 9, "row_wise", "adam", dense=True))))
+# A row-split MEAN table made TorchRec divide every other feature of its EBC by its bag's length.
+@example(config=Config((T("t0", "ebc", 5, "data_parallel", "sgd"), T("t1", "ebc", 5, "row_wise", "sgd", mean=True)),
+                       cover=False))
+@example(config=Config((T("t0", "ebc", 5, "column_wise", "sgd", mean=True), T("t1", "ebc", 5, "table_row_wise", "adam", mean=True))))
+# A fused table with an empty row shard crashed in FBGEMM's CPU kernel on one rank; the other waited.
+@example(config=Config((T("t0", "ebc", 1, "row_wise", "sgd"), T("t1", "ebc", 5, "table_wise", "adam"))))
+@example(config=Config((T("s0", "ec", 1, "row_wise", "adagrad"),), clip=("norm", "tables")))
+def test_exact_or_refused(config: Config, directory: str) -> None:
+    name = hashlib.sha1(repr(config).encode()).hexdigest()[:10]
+    if os.environ.get("MATRIX_LOG"):  # each example as it starts: a run that stalls shows where
+        with open(os.environ["MATRIX_LOG"], "a") as log:
+            log.write(f"{name} {config!r}\n")
+    results = run_cases({name: functools.partial(run, config=config, directory=directory)}, world_size=config.world_size,
+                        timeout=60, straggler_timeout=20)
+    per_rank = results[name]  # a crash, or a rank left waiting, fails here, naming the case
+    expected = [r for r in REFUSALS if PREDICATES[r.name](config)]
+    outcomes = {out["outcome"] for out in per_rank}
+    assert len(outcomes) == 1, f"{config}: ranks disagree: {per_rank}"
+    if expected:
+        for rank, out in enumerate(per_rank):
+            assert out["outcome"] == "refused", f"{config}: docs list it as refused ({[r.name for r in expected]}), " \
+                                                f"rank {rank} trained it"
+            assert any(r.matches(out["error"]) for r in expected), f"{config}, rank {rank}: {out['error']}"
+            assert out["unchanged"], f"{config}, rank {rank}: the refused call changed the model"
+        return
+    for rank, out in enumerate(per_rank):
+        assert out["outcome"] == "exact", f"{config}, rank {rank}: refused, and docs/refusals.md lists no such " \
+                                          f"refusal: {out['stage']}: {out['error']}"
+        for table, diffs in out["diffs"].items():
+            worst = max(diffs)
+            assert worst <= TOL, f"{config}, rank {rank}, {table}: {worst:.3g} from the reference (step diffs {diffs})"
+    moved = per_rank[0]["moved"]
+    for t in config.tables:
+        amount = moved[f"tables.{t.key}.weight"]
+        if t.optimizer == "frozen":
+            assert amount == 0.0
+        else:
+            assert amount > 10 * TOL, f"{config}: the reference moved {t.name} by {amount:.3g}: the check proves nothing"
