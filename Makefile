@@ -41,7 +41,7 @@ test: $(STAMP)
 # The promise matrix at scale: MATRIX_EXAMPLES sampled configurations (default 2000) from a random
 # seed, printed at the end; repeat a run with PYTEST_ARGS=--hypothesis-seed=N.
 test-matrix: $(STAMP)
-	HYPOTHESIS_PROFILE=matrix $(PY) -m pytest tests/test_promise_matrix.py --hypothesis-show-statistics $(PYTEST_ARGS)
+	HYPOTHESIS_PROFILE=matrix $(PY) -m pytest tests/test_promise_matrix.py --timeout=0 --hypothesis-show-statistics $(PYTEST_ARGS)
 
 constraints: $(STAMP)
 	@{ echo "# Every package of the environment, pinned. Regenerate: make constraints"; \

@@ -168,7 +168,7 @@ class CollectionSharder:
         )
         _build(context)
         self.adapt_kernels(sharded)
-        install_settings_check(sharded, tables)
+        install_settings_check(sharded, tables, context.accumulation)
         state = ShardedTables(_private.sharded_weights(sharded), tables, env.process_group, self.tables_attr)
         data_parallel = tuple(m for m in _private.lookups(sharded) if isinstance(m, DistributedDataParallel))
         plans.install_plan(

@@ -38,6 +38,9 @@ from sharders.optimizer_table import choose_kernel
 
 __all__ = ["FUSED_ROW_STATE", "FusedTable", "FusedShardState", "live_choice"]
 
+# The fused kernels FBGEMM runs with a variable batch size per feature (VBE): its TBE asserts it.
+VARIABLE_BATCH_OPTIMIZERS = frozenset({EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD})
+
 # Per-row state of each fused kernel type: torch.optim name -> row-wise (one value per row)?
 FUSED_ROW_STATE = {
     EmbOptimType.EXACT_SGD: {},
@@ -75,6 +78,14 @@ class FusedTable(TableKernel):
 
     def check_live(self) -> None:
         live_choice(self.group, [self.table], self.decision.device_type)
+
+    def why_no_variable_batch(self) -> str | None:
+        optimizer = self.decision.choice.fbgemm_kwargs["optimizer"]
+        if optimizer not in VARIABLE_BATCH_OPTIMIZERS:
+            return f"FBGEMM's {optimizer.name} kernel has no variable-batch backward"
+        if self.clip is not None:
+            return "it is clipped, and FBGEMM's variable-batch backward cannot be held for the norm"
+        return None
 
     def state_layout(self) -> dict[str, str]:
         rowwise = FUSED_ROW_STATE[self.decision.choice.fbgemm_kwargs["optimizer"]]

@@ -55,6 +55,8 @@ def row_partial_norm(
     bag gradient is gathered, weighted, summed per row and normed. Neither one row per id
     nor ``[touched rows, dim]`` is ever held whole.
     """
+    if indices.numel() == 0:  # this rank's shards got no id (a row shard the batch did not reach)
+        return torch.zeros(1, dtype=torch.float64, device=grad.device)
     features = len(emb.feature_table_map)
     batch = (offsets.numel() - 1) // features
     starts = offsets.tolist()[:: max(batch, 1)]  # where each feature's ids start (feature-major)

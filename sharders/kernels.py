@@ -313,6 +313,11 @@ class TableKernel:
         """Raise, naming the table, for a setting changed at run time that this kernel cannot compute.
         Called on every rank before the module's first lookup of each step."""
 
+    def why_no_variable_batch(self) -> str | None:
+        """Why this table cannot take a batch with a variable batch size per feature (VBE), or None
+        if it can. Asked on every rank before the module's first lookup of a VBE batch."""
+        return f"it runs as {self.runs_as()}, which has no variable-batch lookup"
+
     # -- describe() --
 
     def runs_as(self) -> str:

@@ -30,23 +30,48 @@ from typing import Any
 from torch import nn
 
 from sharders import _private
-from sharders.kernels import TableKernel
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from sharders.kernels import Accumulation, TableKernel
 
 __all__ = ["install_settings_check"]
 
+# What runs a variable batch size per feature (VBE) exactly: FBGEMM's own fused kernels.
+VARIABLE_BATCH_ROUTE = (
+    "annotate the module's tables with SGD or torchrec's RowWiseAdagrad on a model-parallel sharding type, "
+    "without gradient clipping or no_step, or send batches with one batch size for every feature"
+)
 
-def install_settings_check(sharded: nn.Module, tables: dict[str, TableKernel]) -> None:
-    """Check every table kernel's live settings before ``sharded``'s first lookup, on every rank."""
+
+def install_settings_check(sharded: nn.Module, tables: dict[str, TableKernel], accumulation: Accumulation) -> None:
+    """Check every table kernel's live settings before ``sharded``'s first lookup, on every rank;
+    a batch with a variable batch size per feature (VBE) too, against every table of the module."""
     kernels = list(tables.values())
     clips = list({id(k.clip): k.clip for k in kernels if k.clip is not None}.values())
     lookups = _private.lookups(sharded)
     if not lookups:
         return
 
-    def check(_lookup: Any, _inputs: Any) -> None:
+    def check(_lookup: Any, inputs: Any) -> None:
         for kernel in kernels:
             kernel.check_live()
+        if inputs and isinstance(inputs[0], KeyedJaggedTensor) and inputs[0].variable_stride_per_key():
+            _check_variable_batch(kernels, accumulation)
         for clip in clips:  # before any update of the step: a refused set leaves every weight as it was
             clip.check_members()
 
     lookups[0].register_forward_pre_hook(check)
+
+
+def _check_variable_batch(kernels: list[TableKernel], accumulation: Accumulation) -> None:
+    """Refuse a VBE batch, on every rank alike and before any update, naming each table that cannot
+    take it (the fallback and data-parallel kinds, FBGEMM's Adagrad, a clipped table, no_step)."""
+    why = {k.table: k.why_no_variable_batch() for k in kernels}
+    if accumulation.active:
+        why = {t: r or "inside no_step, and FBGEMM's variable-batch backward cannot be held" for t, r in why.items()}
+    refused = {t: r for t, r in why.items() if r is not None}
+    if refused:
+        raise NotImplementedError(
+            f"a batch with a variable batch size per feature (VBE) reached tables that cannot take it: {refused}; "
+            f"{VARIABLE_BATCH_ROUTE}"
+        )

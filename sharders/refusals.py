@@ -29,6 +29,8 @@ class Refusal:
         why: why it cannot be exact (or is not built).
         instead: what works.
         match: a regular expression the refusal's message matches.
+        sampled: whether the promise matrix draws it; else the test that holds it (VBE batches:
+            tests/test_variable_batch.py).
     """
 
     name: str
@@ -37,6 +39,7 @@ class Refusal:
     why: str
     instead: str
     match: str
+    sampled: bool = True
 
     def matches(self, message: str) -> bool:
         return re.search(self.match, message) is not None
@@ -97,6 +100,19 @@ REFUSALS: tuple[Refusal, ...] = (
         "the clipping round cannot tell whether that DDP has reduced the gradient when it measures the norm",
         "DistributedModelParallel(..., data_parallel_wrapper=sharders.DataParallelWrapper())",
         r"with no annotation is in the clipping set, and no DDP hook of overlap_optim reduces it",
+    ),
+    Refusal(
+        "variable_batch",
+        "a batch with a variable batch size per feature (VBE) for a module with a table that FBGEMM's fused "
+        "SGD or row-wise Adagrad does not run: fallback, cross-shard and data-parallel tables, fused Adagrad, "
+        "a clipped table, a micro-batch inside no_step",
+        "first step",
+        "FBGEMM's variable-batch backward exists for those two kernels only, and cannot be held for a norm or "
+        "a window; our fallback has no variable-batch lookup yet",
+        "SGD or RowWiseAdagrad on table_wise, row_wise or column_wise, without clipping or no_step, for a module "
+        "that takes VBE batches",
+        r"variable batch size per feature \(VBE\) reached tables that cannot take it",
+        sampled=False,
     ),
     Refusal(
         "ambiguous_table_option",

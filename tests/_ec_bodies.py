@@ -8,6 +8,7 @@ one process of plain torch.optim on the global batch, after every step.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -120,28 +121,43 @@ def accumulated(rank, world_size, k=2, windows=2):
     return {"moved": moved, "describe": sharders.describe(dmp)}
 
 
-def shared_table_in_pipeline(rank, world_size, steps=3):
+def shared_table_in_pipeline(rank, world_size, steps=3, clip=False, micro=1):
     """One EC table looked up by two features (one shared, fallback Adam; one fused Adagrad),
-    trained through TorchRec's ``TrainPipelineSparseDist`` against torch.optim."""
+    trained through TorchRec's ``TrainPipelineSparseDist`` against torch.optim. ``clip``: both
+    tables and the head clipped by a global norm that binds; ``micro``: micro-batches per step,
+    all but the last run through ``pipeline.progress`` inside ``overlap_optim.no_step``."""
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
     model = _SharedModel()
     reference = copy.deepcopy(model)
     overlap_optim.apply_optimizer_in_backward(torch.optim.Adam, [model.ec.embeddings["shared"].weight], {"lr": 0.05})
     overlap_optim.apply_optimizer_in_backward(torch.optim.Adagrad, [model.ec.embeddings["own"].weight], {"lr": 0.1})
+    overlap_optim.apply_optimizer_in_backward(torch.optim.SGD, model.head.parameters(), {"lr": 0.1})
     ref_opts = [torch.optim.Adam([reference.ec.embeddings["shared"].weight], lr=0.05),
-                torch.optim.Adagrad([reference.ec.embeddings["own"].weight], lr=0.1)]
+                torch.optim.Adagrad([reference.ec.embeddings["own"].weight], lr=0.1),
+                torch.optim.SGD(reference.head.parameters(), lr=0.1)]
+    batches = [[_shared_batches(micro * step + m, world_size) for m in range(micro)] for step in range(steps)]
+    bound = None
+    if clip:  # 0.3 of the first step's norm: it binds
+        probe = copy.deepcopy(reference)
+        for parts in batches[0]:
+            probe(_global_batch(parts))[0].backward()
+        bound = 0.3 * torch.nn.utils.get_total_norm([p.grad for p in probe.parameters()]).item()
+        overlap_optim.apply_gradient_clipping(model.parameters(), max_norm=bound)
     dmp = shard_like_reference(model, reference, ["shared", "own"], dict.fromkeys(["shared", "own"], "row_wise"),
                                world_size, sharders.EmbeddingCollectionSharder())
     keyed = overlap_optim.get_optimizers(dmp)
     pipeline = TrainPipelineSparseDist(dmp, keyed, torch.device("cpu"))
-    batches = [_shared_batches(step, world_size) for step in range(steps)]
     start = {n: reference.ec.embeddings[n].weight.detach().clone() for n in ("shared", "own")}
     diffs = []
-    local = iter([b[rank] for b in batches])
+    local = iter([parts[rank] for step in batches for parts in step])
     for step in range(steps):
-        pipeline.progress(local)
-        reference(_global_batch(batches[step]))[0].backward()
+        for m in range(micro):
+            with overlap_optim.no_step(dmp) if m < micro - 1 else contextlib.nullcontext():
+                pipeline.progress(local)
+            reference(_global_batch(batches[step][m]))[0].backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), bound)
         for opt in ref_opts:
             opt.step()
         reference.zero_grad()
@@ -150,6 +166,9 @@ def shared_table_in_pipeline(rank, world_size, steps=3):
             .abs().max().item()
             for n in ("shared", "own") for r, c, piece in local_pieces(dmp, n) if piece.numel()
         ))
+        state = dmp.state_dict()
+        diffs[-1] = max(diffs[-1], *((state[f"head.{n}"] - p).abs().max().item()
+                                     for n, p in reference.head.named_parameters()))
     moved = {n: (reference.ec.embeddings[n].weight.detach() - start[n]).abs().max().item() for n in start}
     return {"diffs": diffs, "moved": moved}
 

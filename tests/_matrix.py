@@ -110,8 +110,9 @@ class Config:
     qualified: bool = False  # dense_tables names tables as "<collection>.<table>"
     fused_params: tuple[tuple[str, Any], ...] = ()  # the sharders' fused_params
     cover: bool = True  # every batch touches every row (else a third of the rows)
-    # "hook": the MLP annotated (Adam, our DDP hook); "user": the user's SGD (our wrapper, DDP without a
-    # hook of ours); "user_ddp": the user's SGD under TorchRec's default DDP wrapper
+    # "hook": the MLP annotated (Adam, our DDP hook); "fsdp": the MLP annotated (Adam), sharded by FSDP2
+    # (sharders.FullyShardWrapper); "user": the user's SGD (our wrapper, DDP without a hook of ours);
+    # "user_ddp": the user's SGD under TorchRec's default DDP wrapper
     dense_part: str = "hook"
     clip: tuple[str, str] | None = None  # ("norm" | "value", "tables" | "everything")
     micro: int = 1  # micro-batches per step (the first ones in no_step)
@@ -301,7 +302,7 @@ class ReferenceTrainer:
                 self.optimizers.append(optimizer)
                 if t.lazy and path == "torch.optim.SparseAdam":
                     self.lazy[t.key] = optimizer
-        if config.dense_part != "hook":
+        if config.dense_part not in ("hook", "fsdp"):
             self.users.append(_class(USER_OPTIMIZER[0])(model.dense.parameters(), **USER_OPTIMIZER[1]))
         else:
             self.optimizers.append(_class(DENSE_OPTIMIZER[0])(model.dense.parameters(), **DENSE_OPTIMIZER[1]))
@@ -397,7 +398,7 @@ class Ours:
             elif t.optimizer != "user":
                 path, kwargs, _, _ = OPTIMIZERS[t.optimizer]
                 overlap_optim.apply_optimizer_in_backward(_class(path), [weight], kwargs)
-        if config.dense_part == "hook":
+        if config.dense_part in ("hook", "fsdp"):
             overlap_optim.apply_optimizer_in_backward(_class(DENSE_OPTIMIZER[0]), model.dense.parameters(),
                                                       DENSE_OPTIMIZER[1])
         self.clip = None
@@ -435,7 +436,13 @@ class Ours:
         for t in config.tables:  # a hand-made plan
             if t.kernel is not None:
                 plan.plan[t.collection][t.name].compute_kernel = t.kernel
-        wrapper = {} if config.dense_part == "user_ddp" else {"data_parallel_wrapper": sharders.DataParallelWrapper()}
+        wrapper = {"data_parallel_wrapper": sharders.DataParallelWrapper()}
+        if config.dense_part == "user_ddp":
+            wrapper = {}
+        elif config.dense_part == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            wrapper = {"data_parallel_wrapper": sharders.FullyShardWrapper(mesh=init_device_mesh("cpu", (world,)))}
         self.dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharder_list,
                                             **wrapper)
         with torch.no_grad():  # sharding re-initialises tables
@@ -543,7 +550,7 @@ def run(rank: int, world_size: int, config: Config, directory: str) -> dict[str,
     """Train ``config`` sharded and as the reference, side by side; compare after every step.
 
     Returns ``{"outcome": "exact", "diffs": {table or "dense": [max diff per step]}, "moved":
-    {...}}``, or ``{"outcome": "refused", "stage": ..., "error": "Type: message", "unchanged":
+    {...}, "noise": {table: how far the float32 reference is from the same in float64}}``, or ``{"outcome": "refused", "stage": ..., "error": "Type: message", "unchanged":
     bool}`` for a ValueError, TypeError or NotImplementedError raised at annotation, sharding or
     the first step (anything else propagates: a crash is a failure).
     """
@@ -551,6 +558,11 @@ def run(rank: int, world_size: int, config: Config, directory: str) -> dict[str,
     weights = {t.key: torch.randn(t.rows, DIM) for t in config.tables}
     dense = Model(config).dense
     reference = ReferenceTrainer(config, Reference(config, weights, dense))
+    # The same reference in float64: how far float32 rounding alone takes the reference (an
+    # ill-conditioned update, LAMB on a one-row table, moves 1e-5 from it in one step).
+    exact = ReferenceTrainer(config, Reference(config, {k: v.double() for k, v in weights.items()},
+                                               copy.deepcopy(dense).double()).double())
+    noise: dict[str, float] = {}
     start = {n: p.detach().clone() for n, p in reference.model.named_parameters()}
 
     def micro_batches(step: int) -> list[list[dict[str, Any]]]:
@@ -580,12 +592,22 @@ def run(rank: int, world_size: int, config: Config, directory: str) -> dict[str,
                 return _refused("first step", err, all(d == [0.0] for d in diffs.values()))
             raise
         reference.step([global_batch(p) for p in parts], bound)
+        exact.step([_double(global_batch(p)) for p in parts], bound)
+        for t in config.tables:
+            gap = (reference.model.tables[t.key].weight.double() - exact.model.tables[t.key].weight).abs().max()
+            noise[t.key] = max(noise.get(t.key, 0.0), gap.item())
         _compare(ours, reference, diffs)
         if config.checkpoint is not None and step == (config.steps - 1) // 2:
             ours = _checkpoint(ours, config, weights, dense, bound, directory)
             _compare(ours, reference, diffs)
     moved = {n: (p.detach() - start[n]).abs().max().item() for n, p in reference.model.named_parameters()}
-    return {"outcome": "exact", "diffs": diffs, "moved": moved}
+    return {"outcome": "exact", "diffs": diffs, "moved": moved, "noise": noise}
+
+
+def _double(batch: dict[str, Any]) -> dict[str, Any]:
+    """A batch for the float64 reference."""
+    return {k: v.double() if k == "target" else (v[0], v[1], None if v[2] is None else v[2].double())
+            for k, v in batch.items()}
 
 
 def _refused(stage: str, err: BaseException, unchanged: bool) -> dict[str, Any]:

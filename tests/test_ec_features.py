@@ -31,6 +31,7 @@ TWO_RANKS = {
     "clipped_by_value": partial(clipped, how="value"),
     "accumulated": accumulated,
     "pipeline": shared_table_in_pipeline,
+    "pipeline/clipped/no_step": partial(shared_table_in_pipeline, clip=True, micro=2),
     "combined/row_wise": partial(combined_optimizer_run, sharding_type="row_wise", family="ec"),
     "meta/table_wise": partial(combined_optimizer_run, sharding_type="table_wise", device="meta", family="ec"),
 }
@@ -96,7 +97,7 @@ def test_no_step_windows_are_one_step_on_the_summed_gradient_for_ec_tables(two, 
     assert "frozen: looked up, never updated" in two[case][0]["describe"]
 
 
-@pytest.mark.parametrize("case", ["pipeline"])
+@pytest.mark.parametrize("case", ["pipeline", "pipeline/clipped/no_step"])
 def test_a_table_shared_by_two_features_trains_exactly_through_the_pipeline(two, case):
     for rank, run in enumerate(two[case]):
         assert max(run["diffs"]) <= 2e-5, f"rank {rank}: {run['diffs']}"

@@ -48,7 +48,7 @@ PREDICATES = {
 
 
 def test_every_documented_refusal_has_a_predicate():
-    assert sorted(PREDICATES) == sorted(r.name for r in REFUSALS)
+    assert sorted(PREDICATES) == sorted(r.name for r in REFUSALS if r.sampled)
 
 
 @st.composite
@@ -95,7 +95,7 @@ def configs(draw) -> Config:
             (("gradient_clipping", True), ("max_gradient", 1e-3)), (("weight_decay_mode", "COWCLIP"),),
             (("momentum", 0.5),), (("output_dtype", "FP16"),),
         ])),
-        dense_part=draw(st.sampled_from(["hook", "user", "user_ddp"])), clip=clip, micro=draw(st.sampled_from([1, 1, 2])),
+        dense_part=draw(st.sampled_from(["hook", "fsdp", "user", "user_ddp"])), clip=clip, micro=draw(st.sampled_from([1, 1, 2])),
         schedule=draw(st.booleans()), checkpoint=draw(st.sampled_from([None, "in_place", "torch_save", "other_plan"])),
         seed=draw(st.integers(0, 1000)),
     )
@@ -140,6 +140,10 @@ def directory():
 # A fused table with an empty row shard crashed in FBGEMM's CPU kernel on one rank; the other waited.
 @example(config=Config((T("t0", "ebc", 1, "row_wise", "sgd"), T("t1", "ebc", 5, "table_wise", "adam"))))
 @example(config=Config((T("s0", "ec", 1, "row_wise", "adagrad"),), clip=("norm", "tables")))
+# LAMB on a one-row table: float32 rounding alone moves the reference 1.3e-5 from float64 in one step.
+@example(config=Config((T("t0", "ebc", 1, "table_wise", "lamb"),), weighted=True))
+# An EC row shard that got no id crashed the norm of its clipped fused kernel (one rank; the other waited).
+@example(config=Config((T("s0", "ec", 11, "row_wise", "sgd", shared=True),), cover=False, clip=("norm", "tables")))
 def test_exact_or_refused(config: Config, directory: str) -> None:
     name = hashlib.sha1(repr(config).encode()).hexdigest()[:10]
     if os.environ.get("MATRIX_LOG"):  # each example as it starts: a run that stalls shows where
@@ -148,7 +152,7 @@ def test_exact_or_refused(config: Config, directory: str) -> None:
     results = run_cases({name: functools.partial(run, config=config, directory=directory)}, world_size=config.world_size,
                         timeout=60, straggler_timeout=20)
     per_rank = results[name]  # a crash, or a rank left waiting, fails here, naming the case
-    expected = [r for r in REFUSALS if PREDICATES[r.name](config)]
+    expected = [r for r in REFUSALS if r.sampled and PREDICATES[r.name](config)]
     outcomes = {out["outcome"] for out in per_rank}
     assert len(outcomes) == 1, f"{config}: ranks disagree: {per_rank}"
     if expected:
@@ -162,8 +166,12 @@ def test_exact_or_refused(config: Config, directory: str) -> None:
         assert out["outcome"] == "exact", f"{config}, rank {rank}: refused, and docs/refusals.md lists no such " \
                                           f"refusal: {out['stage']}: {out['error']}"
         for table, diffs in out["diffs"].items():
+            # Today's tolerance; where float32 rounding alone takes the reference further from its
+            # float64 twin, twice that distance (an ill-conditioned update: LAMB on a one-row table).
+            tolerance = max(TOL, 2 * out["noise"].get(table, 0.0))
             worst = max(diffs)
-            assert worst <= TOL, f"{config}, rank {rank}, {table}: {worst:.3g} from the reference (step diffs {diffs})"
+            assert worst <= tolerance, f"{config}, rank {rank}, {table}: {worst:.3g} from the reference (step diffs " \
+                                       f"{diffs}, float32 noise {out['noise'].get(table)})"
     moved = per_rank[0]["moved"]
     for t in config.tables:
         amount = moved[f"tables.{t.key}.weight"]

@@ -1,0 +1,100 @@
+"""Rank bodies for batches with a variable batch size per feature (VBE) (spawned; not collected)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+
+
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {"lr": 0.1}),
+    "rowwise_adagrad": ("torchrec.optim.rowwise_adagrad.RowWiseAdagrad", {"lr": 0.1}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-8}),
+    "adam": (torch.optim.Adam, {"lr": 0.05}),
+}
+ROWS, DIM, BATCH = 8, 8, 4
+
+
+def _class(value):
+    if isinstance(value, str):
+        module, _, name = value.rpartition(".")
+        return getattr(__import__(module, fromlist=[name]), name)
+    return value
+
+
+def _batch(step: int, rank: int) -> tuple[KeyedJaggedTensor, torch.Tensor, list[tuple]]:
+    """This rank's VBE batch: feature f has 2 distinct bags, g has 3, expanded to BATCH samples by
+    inverse indices; the loss weights; and, per feature, (ids, offsets, inverse) for the reference."""
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    features, lengths, values = [], [], []
+    for bags in (2, 3):
+        own = torch.randint(1, 4, (bags,), generator=generator)
+        ids = torch.randint(0, ROWS, (int(own.sum()),), generator=generator)
+        inverse = torch.randint(0, bags, (BATCH,), generator=generator)
+        features.append((ids, torch.cat([torch.zeros(1, dtype=torch.long), own.cumsum(0)[:-1]]), inverse))
+        lengths.append(own)
+        values.append(ids)
+    kjt = KeyedJaggedTensor(
+        keys=["f", "g"], values=torch.cat(values), lengths=torch.cat(lengths), stride_per_key_per_rank=[[2], [3]],
+        inverse_indices=(["f", "g"], torch.stack([f[2] for f in features])),
+    )
+    return kjt, torch.randn(BATCH, 2 * DIM, generator=generator), features
+
+
+def train(rank: int, world_size: int, optimizer: str, sharding_type: str, steps: int = 3) -> dict:
+    """One table, looked up by two features with different batch sizes, trained against torch.optim
+    on the global batch: the first error ("Type: message"), or each step's largest difference and
+    how far the reference moved."""
+    import overlap_optim
+    import sharders
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", embedding_dim=DIM, num_embeddings=ROWS,
+                                                            feature_names=["f", "g"])])
+    reference = torch.nn.EmbeddingBag(ROWS, DIM, mode="sum")
+    with torch.no_grad():
+        reference.weight.copy_(ebc.embedding_bags["t"].weight)
+    cls, kwargs = OPTIMIZERS[optimizer]
+    overlap_optim.apply_optimizer_in_backward(_class(cls), ebc.parameters(), kwargs)
+    ref_opt = _class(cls)(reference.parameters(), **kwargs)
+    sharder = sharders.EmbeddingBagCollectionSharder()
+    plan = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
+        constraints={"t": ParameterConstraints(sharding_types=[sharding_type], min_partition=4)},
+    ).collective_plan(ebc, [sharder], dist.group.WORLD)
+    dmp = DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    with torch.no_grad():
+        for row, col, piece in _pieces(dmp):
+            piece.copy_(reference.weight[row : row + piece.shape[0], col : col + piece.shape[1]])
+    start, diffs = reference.weight.detach().clone(), []
+    for step in range(steps):
+        kjt, weights, _ = _batch(step, rank)
+        try:
+            out = dmp(kjt)
+            out = out.wait() if hasattr(out, "wait") else out
+            ((out.values() * weights).sum() / BATCH).backward()
+        except (ValueError, NotImplementedError) as err:
+            return {"error": f"{type(err).__name__}: {err}", "step": step}
+        total = 0.0
+        for r in range(world_size):  # the reference: every rank's samples; TorchRec averages over ranks
+            _, w, features = _batch(step, r)
+            pooled = [reference(ids, offsets)[inverse] for ids, offsets, inverse in features]
+            total = total + (torch.cat(pooled, dim=1) * w).sum() / BATCH / world_size
+        total.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        diffs.append(max((p - reference.weight.detach()[r : r + p.shape[0], c : c + p.shape[1]]).abs().max().item()
+                         for r, c, p in _pieces(dmp) if p.numel()) if _pieces(dmp) else 0.0)
+    return {"diffs": diffs, "moved": (reference.weight.detach() - start).abs().max().item()}
+
+
+def _pieces(dmp):
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    value = dmp.state_dict()["embedding_bags.t.weight"]
+    if isinstance(value, ShardedTensor):
+        return [(s.metadata.shard_offsets[0], s.metadata.shard_offsets[1], s.tensor) for s in value.local_shards()]
+    return [(0, 0, value)]
