@@ -125,6 +125,23 @@ def divide_only_row_split_means(sharded: nn.Module) -> None:
     means = set(by_pooling.get("MEAN", []))
     features = [f for config in sharded._embedding_bag_configs for f in config.feature_names]
     by_pooling["SUM"] = [f for f in features if f not in means]
+    if sharded._is_weighted:  # the divisor is each bag's sum of weights: left as TorchRec makes it
+        return
+    # TorchRec adds 1e-6 to every divisor (against empty bags): a relative error of 1e-6 on every
+    # feature of the module, which ill-conditioned updates (Adagrad, LAMB on rows with tiny
+    # gradients) amplify past 1e-5 (measured). Unweighted, the divisor is a whole number of ids
+    # (1 where nothing is divided): rounded, it is exact; an empty bag's sum (0) stays 0, as
+    # nn.EmbeddingBag's mean of an empty bag. Private: ``input_dist`` sets ``ctx.divisor``, which
+    # the module's output callback divides by (every caller, train pipelines included).
+    input_dist = sharded.input_dist
+
+    def exact_input_dist(ctx: Any, *args: Any, **kwargs: Any) -> Any:
+        out = input_dist(ctx, *args, **kwargs)
+        if getattr(ctx, "divisor", None) is not None:
+            ctx.divisor = torch.round(ctx.divisor).clamp_(min=1.0)
+        return out
+
+    sharded.input_dist = exact_input_dist
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +191,9 @@ PRIVATE_APIS: dict[str, Callable[[], object]] = {
     **{f"TableBatchedEmbeddingSlice.{n}": (lambda n=n: _set_by(TableBatchedEmbeddingSlice, n)) for n in (
         "_original_tensor", "_start_offset", "_end_offset", "_num_embeddings", "_embedding_dim")},
     **{f"ShardedEmbeddingBagCollection.{n}": (lambda n=n: _set_by(ShardedEmbeddingBagCollection, n)) for n in (
-        "_has_mean_pooling_callback", "_pooling_type_to_rs_features", "_embedding_bag_configs")},
+        "_has_mean_pooling_callback", "_pooling_type_to_rs_features", "_embedding_bag_configs", "_is_weighted")},
+    "EmbeddingBagCollectionContext.divisor (set by ShardedEmbeddingBagCollection.input_dist)": lambda: _mentions(
+        "torchrec.distributed.embeddingbag", "ctx.divisor = _create_mean_pooling_divisor("),
     "DistributedModelParallel._init_dmp(self, module)": lambda: _takes(DistributedModelParallel._init_dmp, "module"),
     "DistributedModelParallel._plan": lambda: _set_by(DistributedModelParallel, "_plan"),
     "DistributedModelParallel._sharder_map": lambda: _set_by(DistributedModelParallel, "_sharder_map"),
