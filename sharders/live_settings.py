@@ -28,10 +28,9 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
-
-from sharders import _private
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from sharders import _private
 from sharders.kernels import Accumulation, TableKernel
 
 __all__ = ["install_settings_check"]
