@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from overlap_optim import _private
+from overlap_optim import _private, meta_params
 from overlap_optim.clipping import GradientClipping, clipping_of, join_clipping, taken_by
 from overlap_optim.spec import AnnotationGroup, describe_optimizer, needs_closure
 from overlap_optim.update import live_optimizer, step_when_ready
 
 __all__ = [
     "apply_optimizer_in_backward", "materialize", "record_annotations", "reattach_annotations", "AnnotationGroup",
-    "needs_closure", "annotation_of_fsdp_uid", "replace_step_hook",
+    "needs_closure", "annotation_of_fsdp_uid", "replace_step_hook", "carry_over", "refuse_lost_meta_annotations",
 ]
 
 # FSDP2's id of every parameter ever annotated (given at annotation) -> what it was annotated with.
@@ -53,7 +53,9 @@ def apply_optimizer_in_backward(
     in backward, its optimizer steps and ``param.grad`` is set to None.
 
     ``Module.to_empty`` replaces Parameter objects and so drops annotations;
-    use :func:`materialize` to move an annotated meta model to a device.
+    use :func:`materialize` to move an annotated meta model to a device. The
+    sharders, ``register_optimizer_hook`` and ``fully_shard`` carry the
+    annotations over a plain ``to_empty`` too (:func:`carry_over`).
 
     Args:
         optimizer_class: a ``torch.optim.Optimizer`` subclass whose ``step``
@@ -99,6 +101,7 @@ def apply_optimizer_in_backward(
     group = AnnotationGroup(spec)
     for param in params:
         _annotate(param, group)
+    meta_params.remember(params)
     return group
 
 
@@ -155,6 +158,35 @@ def reattach_annotations(module: torch.nn.Module, recorded: Recorded) -> list[st
             join_clipping(param, clip)
         done.append(name)
     return done
+
+
+def carry_over(module: torch.nn.Module) -> list[str]:
+    """Annotate (and clip) each parameter of ``module`` that replaced an annotated (or clipped)
+    meta parameter since (``Module.to_empty``) as its predecessor was, from the record
+    :mod:`overlap_optim.meta_params` keeps; returns the FQNs re-annotated. Call it before anything
+    takes the parameters over (a sharder, a DDP hook, FSDP)."""
+    done = []
+    for fqn, old, now in list(meta_params.recorded(module)):
+        meta_params.forget(module, fqn)
+        if now is not None:
+            done += reattach_annotations(module, {fqn: (old, getattr(old, "_overlap_group", None), clipping_of(old))})
+    return done
+
+
+def refuse_lost_meta_annotations(module: torch.nn.Module) -> None:
+    """Raise, naming it, for a parameter of ``module`` that replaced an annotated (or clipped) meta
+    parameter and carries neither: where :func:`carry_over` came too late (a DDP that is not
+    ours may hold it already)."""
+    for fqn, old, now in meta_params.recorded(module):
+        if now is not None and getattr(now, "_overlap_group", None) is None and clipping_of(now) is None:
+            group = getattr(old, "_overlap_group", None)
+            raise ValueError(
+                f"{fqn!r} was annotated on the meta device ({group.spec.name if group else 'a gradient clipping set'}) "
+                "and replaced since by a parameter without its annotation (Module.to_empty, or TorchRec's "
+                "init_parameters under a data_parallel_wrapper that is not overlap_optim's): it would train "
+                "nothing. Use overlap_optim.materialize(model, device) in place of to_empty, or "
+                "sharders.DataParallelWrapper()"
+            )
 
 
 def annotation_of_fsdp_uid(uid: int) -> str | None:

@@ -6,7 +6,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from overlap_optim import _private
-from overlap_optim.annotation import remove_guard
+from overlap_optim.annotation import carry_over, remove_guard
 from overlap_optim.clipping import GradientClipping, clipping_of, mark_taken
 from overlap_optim.comm_hooks import REDUCTIONS, OptimizerHookState, optimizer_hook
 from overlap_optim.local_sgd import QSR, AveragedModel
@@ -51,6 +51,7 @@ def register_optimizer_hook(
         raise TypeError(f"register_optimizer_hook takes a DistributedDataParallel, got {type(ddp_model).__name__}")
     if comm not in REDUCTIONS:
         raise ValueError(f"comm must be one of {tuple(REDUCTIONS)}, got {comm!r}")
+    carry_over(ddp_model.module)
     targets, managed = {}, []
     for param in _private.ddp_managed_parameters(ddp_model):
         if getattr(param, "_overlap_group", None) is None:

@@ -36,7 +36,9 @@ from torch.distributed.tensor import DTensor
 
 from overlap_optim import _private
 from overlap_optim.accumulation import accumulating
-from overlap_optim.annotation import annotation_of_fsdp_uid, record_annotations, reattach_annotations, replace_step_hook
+from overlap_optim.annotation import (
+    annotation_of_fsdp_uid, carry_over, reattach_annotations, record_annotations, replace_step_hook,
+)
 from overlap_optim.clipping import clipping_of
 from overlap_optim.cross_shard import CrossShardOptimizer, Geometry, cross_shard_class, sharded_state_layouts
 from overlap_optim.round import EndOfBackwardRound
@@ -82,6 +84,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, **kwargs: Any) -> nn.Mod
             "(HSDP's replicate x shard meshes are not built yet)"
         )
     ignored = set(kwargs.get("ignored_params") or ())
+    carry_over(module)
     recorded = {name: entry for name, entry in record_annotations(module).items() if entry[0] not in ignored}
     _check_settings(kwargs, recorded)
     _check_parameters(recorded, custom_placement=kwargs.get("shard_placement_fn") is not None)

@@ -20,6 +20,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
 from overlap_optim import _state_schema, plans
 from overlap_optim.accumulation import StepTracker, track_steps
+from overlap_optim.annotation import refuse_lost_meta_annotations
 from overlap_optim.fsdp import refuse_lost_annotations
 from overlap_optim.spec import AnnotationGroup
 from overlap_optim.update import (
@@ -291,6 +292,7 @@ def get_optimizers(model: torch.nn.Module) -> KeyedOptimizer:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"get_optimizers takes an nn.Module, got {type(model).__name__}")
     refuse_lost_annotations(model)
+    refuse_lost_meta_annotations(model)
     tables, foreign, annotated, bare = _discover(model)
     if bare and getattr(model, "_overlap_warned_bare", None) != sorted(bare):
         model._overlap_warned_bare = sorted(bare)  # once per model and set of parameters

@@ -48,6 +48,7 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ParameterSharding, ShardedModule, ShardingEnv, ShardingType
 
 from overlap_optim import plans
+from overlap_optim.annotation import carry_over
 from overlap_optim.clipping import mark_taken
 from overlap_optim.round import EndOfBackwardRound, arm_in_backward
 from overlap_optim.spec import AnnotationGroup
@@ -187,6 +188,8 @@ class CollectionSharder:
         self, module: nn.Module, params: dict[str, ParameterSharding], device_type: str, path: str = ""
     ) -> dict[str, TableKernel]:
         """Each table's decision (:func:`sharders.optimizer_table.decide`), as its kind's kernel object."""
+        if _private.model_being_sharded() is None:  # else check_model carried the whole model over
+            carry_over(module)
         torch_made: dict[str, AnnotationGroup] = {}
         decisions = {}
         configs = self.table_configs(module)
@@ -246,6 +249,7 @@ def check_model(whole: _private.ModelBeingSharded, device_type: str) -> None:
     ``whole`` that is still to be sharded; also for a table option that names no table of the
     model, or a bare table name that several of its collections share. Changes nothing: it runs
     on every rank before ``DistributedModelParallel`` shards the first module."""
+    carry_over(whole.root)  # the first thing that changes: a plain to_empty dropped the meta annotations
     modules = []
     for path, module in whole.root.named_modules():
         sharder = whole.sharders.get(type(module))

@@ -5,7 +5,8 @@ do not divide by the world size, a sharding type, an optimizer or none or frozen
 semantics, pooling, a table shared by two features, weighted features), the batches (every row
 touched, or a third of the rows), the dense part (our DDP hook, or the user's optimizer), and the
 loop (clipping by norm or by value over a set, ``no_step`` micro-batches, a scheduler, a
-checkpoint mid-run in one of the forms users write), on 1 or 2 ranks.
+checkpoint mid-run in one of the forms users write), a model built on the meta device, on 1 or 2
+ranks.
 
 :func:`run` (a rank body, spawned) builds the reference **from the config alone**, with plain
 ``nn.EmbeddingBag``, ``nn.Embedding`` and ``torch.optim`` (or the optimizer's own package) in one
@@ -118,6 +119,9 @@ class Config:
     micro: int = 1  # micro-batches per step (the first ones in no_step)
     schedule: bool = False  # a LambdaLR through get_optimizers, the same on each reference optimizer
     checkpoint: str | None = None  # "in_place", "torch_save", "other_plan", mid-run
+    # built and annotated on the meta device, then "dmp": handed to DMP as it is; "materialize":
+    # overlap_optim.materialize(model, "cpu") first; "to_empty": Module.to_empty(device="cpu") first
+    meta: str | None = None
     steps: int = 3
     seed: int = 0
 
@@ -384,11 +388,10 @@ class Ours:
                  other_plan: bool = False) -> None:
         import overlap_optim
 
-        self.config, self.weights = config, weights
-        model = Model(config)
-        with torch.no_grad():
-            for src, dst in zip(dense.parameters(), model.dense.parameters()):
-                dst.copy_(src)
+        self.config, self.weights, self.dense = config, weights, dense
+        model = Model(config, "meta" if config.meta else "cpu")
+        if not config.meta:
+            self._copy_dense(model.dense.parameters())
         self.unsharded = model
         tables = model.tables()
         for t in config.tables:
@@ -407,7 +410,23 @@ class Ours:
             members += list(model.dense.parameters()) if config.clip[1] == "everything" else []
             how = {"max_norm": bound} if config.clip[0] == "norm" else {"clip_value": bound}
             self.clip = overlap_optim.apply_gradient_clipping(members, **how)
+        if config.meta == "materialize":
+            overlap_optim.materialize(model, "cpu")
+        elif config.meta == "to_empty":
+            model.to_empty(device="cpu")
+        if config.meta in ("materialize", "to_empty"):  # values as a user's init would set them
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.zero_()
+            self._copy_dense(model.dense.parameters())
         self.other_plan = other_plan
+
+    def _copy_dense(self, params: Any) -> None:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        with torch.no_grad():
+            for src, dst in zip(self.dense.parameters(), params):
+                dst.copy_(distribute_tensor(src, dst.device_mesh, dst.placements) if isinstance(dst, DTensor) else src)
 
     def shard(self) -> Ours:
         """Shard the annotated model under DMP (our sharders and, with the hook, our wrapper)."""
@@ -445,6 +464,9 @@ class Ours:
             wrapper = {"data_parallel_wrapper": sharders.FullyShardWrapper(mesh=init_device_mesh("cpu", (world,)))}
         self.dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharder_list,
                                             **wrapper)
+        if config.meta == "dmp":  # DMP materialized the MLP: its values are still to set
+            state = self.dmp.state_dict()
+            self._copy_dense(state[f"dense.{name}"] for name, _ in self.dense.named_parameters())
         with torch.no_grad():  # sharding re-initialises tables
             for t in config.tables:
                 full = self.weights[t.key]
@@ -533,15 +555,22 @@ def _scrambled_dense(dense: nn.Module) -> nn.Module:
 
 
 def _snapshot(model: nn.Module) -> dict[str, Any]:
-    """Weights, and each parameter's annotation, of the unsharded model."""
-    return {n: (p.detach().clone(), getattr(p, "_overlap_group", None), getattr(p, "_optimizer_classes", None))
-            for n, p in model.named_parameters()}
+    """Weights (of meta parameters, the shape), and each parameter's annotation, of the unsharded model.
+    Where ``to_empty`` replaced an annotated meta parameter, the annotation the user declared: the
+    one a sharder carries over first (the one change a refused call may make)."""
+    from overlap_optim import meta_params
+
+    declared = {fqn: old for fqn, old, now in meta_params.recorded(model) if now is not None}
+    return {n: (p.shape if p.is_meta else p.detach().clone(), getattr(declared.get(n, p), "_overlap_group", None),
+                getattr(declared.get(n, p), "_optimizer_classes", None)) for n, p in model.named_parameters()}
 
 
 def _unchanged(before: dict[str, Any], model: nn.Module) -> bool:
     after = _snapshot(model)
     return before.keys() == after.keys() and all(
-        torch.equal(before[n][0], after[n][0]) and before[n][1] is after[n][1] and before[n][2] == after[n][2]
+        type(before[n][0]) is type(after[n][0]) and (before[n][0] == after[n][0] if isinstance(before[n][0], torch.Size)
+                                                     else torch.equal(before[n][0], after[n][0]))
+        and before[n][1] is after[n][1] and before[n][2] == after[n][2]
         for n in before
     )
 

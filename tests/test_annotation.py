@@ -10,8 +10,10 @@ from torch.distributed.optim.apply_optimizer_in_backward import _get_in_backward
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
+import overlap_optim
 from _models import TinyModel, assert_same_params, loss_of, make_batch
 from overlap_optim import apply_optimizer_in_backward, get_optimizers, materialize
+from overlap_optim.annotation import carry_over
 
 _ATTRS = ("_optimizer_classes", "_optimizer_kwargs", "_in_backward_optimizers", "_overlap_group")
 
@@ -20,13 +22,15 @@ def _bare(params) -> bool:
     return all(not hasattr(p, a) for p in params for a in _ATTRS)
 
 
-def _train_against(model, reference, ref_opts, steps: int = 3) -> None:
-    """Three steps of the annotated model and of the reference with its optimizers, compared."""
+def _train_against(model, reference, ref_opts, steps: int = 3, before_step=lambda: None) -> None:
+    """Three steps of the annotated model and of the reference with its optimizers (``before_step``
+    runs between the reference's backward and its step), compared."""
     generator = torch.Generator().manual_seed(0)
     for step in range(steps):
         batch = make_batch(generator)
         loss_of(model, batch).backward()
         loss_of(reference, batch).backward()
+        before_step()
         for o in ref_opts:
             o.step()
             o.zero_grad()
@@ -137,9 +141,32 @@ def test_meta_parameters_record_metadata_only_then_materialize():
     _train_against(model, reference, ref_opts)
 
 
-def test_plain_to_empty_drops_annotations_and_get_optimizers_says_so():
+def test_a_plain_to_empty_is_refused_by_get_optimizers_naming_the_parameter():
     model = TinyModel(device="meta")
     apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 0.01})
     model.to_empty(device="cpu")  # torch builds new Parameter objects here
-    with pytest.warns(UserWarning, match=r"6 trainable parameter\(s\) have no in-backward optimizer"):
+    lost = r"'ebc\.embedding_bags\.t0\.weight' was annotated on the meta device \(Adam\) and replaced"
+    with pytest.raises(ValueError, match=lost):
         get_optimizers(model)
+    # The record lives on the model's modules: a model built afresh, left bare, is the user's to train.
+    with pytest.warns(UserWarning, match=r"6 trainable parameter\(s\) have no in-backward optimizer"):
+        get_optimizers(TinyModel())
+
+
+def test_carry_over_annotates_and_clips_what_to_empty_replaced_exactly_as_on_meta():
+    reference = TinyModel()
+    model = TinyModel(device="meta")
+    apply_optimizer_in_backward(torch.optim.Adam, model.dense.parameters(), {"lr": 0.01})
+    apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), {"lr": 0.1})
+    clip = overlap_optim.apply_gradient_clipping(model.dense.parameters(), max_norm=1e-3)
+    model.to_empty(device="cpu")
+    model.load_state_dict(reference.state_dict())
+    assert sorted(carry_over(model)) == sorted(n for n, _ in model.named_parameters())
+    assert carry_over(model) == []  # once
+    assert all(overlap_optim.clipping.clipping_of(p) is clip for p in model.dense.parameters())
+    ref_opts = [torch.optim.Adam(reference.dense.parameters(), lr=0.01),
+                torch.optim.Adagrad(reference.ebc.parameters(), lr=0.1)]
+    clipped = list(reference.dense.parameters())
+    _train_against(model, reference, ref_opts, before_step=lambda: torch.nn.utils.clip_grad_norm_(clipped, 1e-3))
+
+

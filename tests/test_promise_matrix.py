@@ -6,7 +6,8 @@ optimizer (fused, fallback, layer-wise, third-party), none, frozen, or dense sem
 touch every row or a third; weighted features, MEAN pooling, a table shared by two features; our DDP
 hook or the user's optimizer on the MLP; clipping by norm or value over a set, ``no_step``
 micro-batches, a scheduler, a checkpoint mid-run (in place, ``torch.save`` into fresh objects,
-``overlap_optim.checkpoint`` under another plan); 1 or 2 ranks. Each example runs in the spawned
+``overlap_optim.checkpoint`` under another plan); a model built on meta (handed to DMP,
+materialized, or moved by ``to_empty``); 1 or 2 ranks. Each example runs in the spawned
 group that the previous one left (:func:`overlap_optim.testing.run_cases`).
 
 CI runs the "ci" profile: a fixed set of examples (tests/conftest.py). ``make test-matrix`` runs
@@ -98,7 +99,7 @@ def configs(draw) -> Config:
         ])),
         dense_part=draw(st.sampled_from(["hook", "fsdp", "user", "user_ddp"])), clip=clip, micro=draw(st.sampled_from([1, 1, 2])),
         schedule=draw(st.booleans()), checkpoint=draw(st.sampled_from([None, "in_place", "torch_save", "other_plan"])),
-        seed=draw(st.integers(0, 1000)),
+        meta=draw(st.sampled_from([None] * 12 + ["dmp", "materialize", "to_empty"])), seed=draw(st.integers(0, 1000)),
     )
 
 
@@ -159,6 +160,14 @@ def directory():
 @example(config=Config((T("t0", "ebc", 2, "table_wise", "sgd"), T("t0", "ebc_b", 2, "table_wise", "sgd", mean=True,
                                                                       shared=True)),
                        world_size=1, cover=False, clip=("norm", "tables"), seed=1))
+# Built and annotated on meta: handed to DMP, materialized, or moved by to_empty (which trained nothing, silently).
+@example(config=Config((T("t0", "ebc", 7, "row_wise", "adam"), T("s0", "ec", 5, "data_parallel", "adagrad")),
+                       dense_part="fsdp", meta="dmp", checkpoint="torch_save"))
+@example(config=Config((T("t0", "ebc", 7, "row_wise", "adam"), T("t1", "ebc", 9, "data_parallel", "frozen")),
+                       meta="materialize", clip=("norm", "everything")))
+@example(config=Config((T("t0", "ebc", 7, "row_wise", "adam"), T("s1", "ec", 5, "column_wise", "user")),
+                       dense_part="user_ddp", meta="to_empty"))
+@example(config=Config((T("t0", "ebc", 7, "row_wise", "user"),), dense_part="user", meta="to_empty"))
 def test_exact_or_refused(config: Config, directory: str) -> None:
     name = hashlib.sha1(repr(config).encode()).hexdigest()[:10]
     if os.environ.get("MATRIX_LOG"):  # each example as it starts: a run that stalls shows where
