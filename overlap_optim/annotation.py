@@ -18,7 +18,7 @@ import torch
 
 from overlap_optim import _private, meta_params
 from overlap_optim.clipping import GradientClipping, clipping_of, join_clipping, taken_by
-from overlap_optim.spec import AnnotationGroup, describe_optimizer, needs_closure
+from overlap_optim.spec import AnnotationGroup, OptimizerSpec, describe_optimizer, needs_closure
 from overlap_optim.update import live_optimizer, step_when_ready
 
 __all__ = [
@@ -78,7 +78,8 @@ def apply_optimizer_in_backward(
         TypeError: ``optimizer_class`` is not an Optimizer subclass, a kwarg is
             not a constructor argument, or a param is not a tensor.
         ValueError: the optimizer rejects a value, it cannot step without a
-            closure, ``params`` is empty or holds a tensor that does not
+            closure, it cannot step a param of that many dims (torch's Muon on
+            a bias; named), ``params`` is empty or holds a tensor that does not
             require grad, a param is annotated differently already or is run
             by a DDP hook or a sharder already, or a group option is a
             constructor argument.
@@ -94,7 +95,7 @@ def apply_optimizer_in_backward(
     _check_kwarg_names(optimizer_class, kwargs)
     options = _check_group_options(optimizer_class, group_options)
     params = _check_params(params)
-    spec = describe_optimizer(optimizer_class, kwargs, {p.dim(): p.dtype for p in params}, options)
+    spec = _describe(optimizer_class, kwargs, params, options)
     _check_not_taken(params)
     _check_not_annotated(params, optimizer_class, kwargs, replace)
 
@@ -334,6 +335,38 @@ def _check_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
             )
         unique[id(p)] = p
     return list(unique.values())
+
+
+def _describe(optimizer_class: type, kwargs: dict[str, Any], params: list[torch.Tensor],
+              options: dict[str, Any]) -> OptimizerSpec:
+    """``describe_optimizer`` on the dims of ``params``. Where the optimizer refuses a param's number
+    of dims and takes another in its dtype (torch's Muon steps matrices only), the refusal names the
+    first such param; any other (a negative lr, a dtype it cannot step) stays as it was."""
+    dims = {p.dim(): p.dtype for p in params}
+    try:
+        return describe_optimizer(optimizer_class, kwargs, dims, options)
+    except ValueError as err:
+        for i, param in enumerate(params):
+            if dims.pop(param.dim(), None) is None:  # a kind already tried
+                continue
+            others = {2, *(p.dim() for p in params)} - {param.dim()}
+            if not _takes(optimizer_class, kwargs, param.dim(), param.dtype, options) and any(
+                    _takes(optimizer_class, kwargs, ndim, param.dtype, options) for ndim in others):
+                raise ValueError(
+                    f"params[{i}] (shape {tuple(param.shape)}) is {param.dim()}-D, and {optimizer_class.__name__} "
+                    f"does not step {param.dim()}-D parameters (on a stand-in: {err}); annotate it with another "
+                    "optimizer (an element-wise one, such as AdamW, for a bias)"
+                ) from None
+        raise
+
+
+def _takes(optimizer_class: type, kwargs: dict[str, Any], ndim: int, dtype: torch.dtype, options: dict[str, Any]) -> bool:
+    """Whether ``optimizer_class(**kwargs)`` steps an ``ndim``-D ``dtype`` parameter."""
+    try:
+        describe_optimizer(optimizer_class, kwargs, {ndim: dtype}, options)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_not_taken(params: list[torch.Tensor]) -> None:

@@ -24,11 +24,18 @@ steps, untouched rows of a table on a zero gradient).
 Every rank takes part in the round in the same order, a rank that holds an
 empty shard included: it contributes zeros for what it does not hold.
 
+A vector (a bias under FSDP2, split along its only dim) steps the same way with the
+optimizer's own 1-D update: Adafactor and CAME keep an unfactored second moment
+there, so only the RMS of the weight and of the update are whole-vector
+statistics; LAMB needs its two norms; LARS, as its package does, scales no
+vector, and its slot is empty. Muon, like torch's, steps matrices only.
+
 :class:`CrossShardOptimizer` and its subclasses are the per-shard math, one per
 optimizer class; ``sharders.cross_shard`` builds them for table shards and
 :mod:`overlap_optim.fsdp` for FSDP2's parameter shards.
 
-:data:`CROSS_SHARD` is a plain dict ``optimizer class -> implementation``.
+:data:`CROSS_SHARD` is a plain dict ``optimizer class -> implementation`` for
+matrices, :data:`CROSS_SHARD_VECTOR` the same for vectors.
 Classes from optional packages (pytorch-optimizer, came-pytorch) are added only
 when the user's code has imported that package; the core imports none of them.
 """
@@ -37,6 +44,7 @@ when the user's code has imported that package; the core imports none of them.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from typing import Any
 
@@ -47,23 +55,42 @@ from overlap_optim.round import EndOfBackwardRound
 from overlap_optim.spec import AnnotationGroup, OptimizerSpec
 from overlap_optim.update import DenseTableOptimizer
 
-__all__ = ["CROSS_SHARD", "cross_shard_class", "Geometry", "CrossShardOptimizer", "sharded_state_layouts"]
+__all__ = [
+    "CROSS_SHARD", "CROSS_SHARD_VECTOR", "cross_shard_class", "Geometry", "CrossShardOptimizer",
+    "sharded_state_layouts",
+]
+
+_VECTOR_PROBE = 7  # elements of the stand-in vector whose state shapes say which entries are per element
 
 
 @dataclasses.dataclass(frozen=True)
 class Geometry:
-    """Where one local shard sits in its table, and the axis the table is split along
-    (0: row shards, each with every column; 1: column shards, each with every row)."""
+    """Where one local shard sits in its tensor, and the axis the tensor is split along.
 
-    table_shape: tuple[int, int]
-    offsets: tuple[int, int]
+    A table (2-D): ``axis`` 0 for row shards, each with every column, 1 for column shards,
+    each with every row. A vector (1-D, ``table_shape`` and ``offsets`` of one element):
+    ``axis`` 0, its only one.
+    """
+
+    table_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
     axis: int
 
+    @property
+    def numel(self) -> int:
+        """Elements of the whole tensor."""
+        return math.prod(self.table_shape)
 
-def sharded_state_layouts(spec: OptimizerSpec, axis: int) -> dict[str, str]:
+
+def sharded_state_layouts(spec: OptimizerSpec, axis: int, ndim: int = 2) -> dict[str, str]:
     """The state entries of a table split along ``axis`` (0: rows) that are sharded as its weight
     is, ``name -> a layout of LAYOUTS``; the others (scalars, and the factors along the unsplit
-    axis, which every shard holds whole) are per-table values."""
+    axis, which every shard holds whole) are per-table values. For a vector (``ndim`` 1): the
+    entries shaped as the vector, "element", measured on a stand-in (the optimizer's 1-D state
+    need not be its 2-D one: Adafactor's ``variance``)."""
+    if ndim == 1:
+        shapes = spec.state_shapes((_VECTOR_PROBE,))
+        return {name: "element" for name, shape in shapes.items() if shape == (_VECTOR_PROBE,)}
     layouts = {}
     for name, entry in (spec.state or {}).items():
         if entry.layout == "element":
@@ -76,7 +103,8 @@ def sharded_state_layouts(spec: OptimizerSpec, axis: int) -> dict[str, str]:
 
 
 class CrossShardOptimizer(DenseTableOptimizer):
-    """A split table's layer-wise optimizer, one local shard of it (dense semantics).
+    """A split table's (or an FSDP-sharded vector's) layer-wise optimizer, one local shard of it
+    (dense semantics).
 
     Subclasses give the optimizer's math in two halves: :meth:`partials` (local,
     in backward) and :meth:`complete` (with the summed statistics). State is kept
@@ -95,7 +123,7 @@ class CrossShardOptimizer(DenseTableOptimizer):
         self._grad: torch.Tensor | None = None
         # row_state: the entries sharded as the weight is; table_state: scalars, and the factor
         # every shard holds whole.
-        self._row_keys = set(sharded_state_layouts(group.spec, geometry.axis))
+        self._row_keys = set(sharded_state_layouts(group.spec, geometry.axis, len(geometry.table_shape)))
         self._check_settings()
 
     @torch.no_grad()
@@ -134,7 +162,8 @@ class CrossShardOptimizer(DenseTableOptimizer):
 
 
 class LambTable(CrossShardOptimizer):
-    """pytorch-optimizer's ``Lamb``: Adam moments, then the trust ratio ``||w|| / ||u||``."""
+    """pytorch-optimizer's ``Lamb``: Adam moments, then the trust ratio ``||w|| / ||u||``; the same
+    on a vector."""
 
     def _check_settings(self) -> None:
         h, kwargs = self.group.param_group, self.group.spec.kwargs
@@ -279,6 +308,38 @@ class AdafactorTable(CrossShardOptimizer):
         self._touched = None
 
 
+class AdafactorVector(CrossShardOptimizer):
+    """``torch.optim.Adafactor`` on a vector: not factored, a ``variance`` per element (sharded as
+    the vector is). The update ``g / sqrt(variance)`` is element-wise; the round carries the
+    two whole-vector statistics, ``||w||^2`` (before weight decay: the step size follows the
+    weight's RMS) and ``||u||^2`` (the update's RMS, clipped to ``d``)."""
+
+    def _fresh_state(self, state):
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["variance"] = torch.zeros_like(self.weight)
+
+    def partials(self, ids, grads, state, h):
+        grad = self.whole_gradient(ids, grads)
+        if "variance" not in state:
+            self._fresh_state(state)
+        state["step"] += 1
+        weight_sq = torch.linalg.vector_norm(self.weight, dtype=torch.float64).square()
+        if h["weight_decay"] != 0:
+            self.weight.mul_(1 - h["lr"] * h["weight_decay"])
+        state["variance"].lerp_(grad * grad, float(state["step"]) ** h["beta2_decay"])
+        eps1 = h["eps"][0] if h["eps"][0] is not None else torch.finfo(self.weight.dtype).eps
+        self._grad = state["variance"].clamp(min=eps1 * eps1).rsqrt_().mul_(grad)
+        return torch.stack([weight_sq, torch.linalg.vector_norm(self._grad, dtype=torch.float64).square()])
+
+    def complete(self, stats):
+        h, state = self.group.param_group, self._optimizer.state[self.weight]
+        root = self.geometry.numel**0.5
+        alpha = max(h["eps"][1], float(stats[0]) ** 0.5 / root) * min(h["lr"], 1 / float(state["step"]) ** 0.5)
+        denom = max(1.0, float(stats[1]) ** 0.5 / (root * h["d"]))
+        self.weight.add_(self._grad, alpha=-alpha / denom)
+        self._grad = None
+
+
 class CameTable(CrossShardOptimizer):
     """came-pytorch's ``CAME``: Adafactor's factored second moment, then a factored confidence
     (the residual ``(u - m)^2``) that scales the momentum.
@@ -370,8 +431,48 @@ class CameTable(CrossShardOptimizer):
         self._grad = None
 
 
+class CameVector(CrossShardOptimizer):
+    """came-pytorch's ``CAME`` on a vector: not factored, ``exp_avg_sq`` per element, and no
+    confidence factor (the step is the momentum itself). The round carries ``||w||^2`` (the
+    ``RMS`` it keeps) and ``||u||^2`` (the update's RMS, clipped to ``clip_threshold``)."""
+
+    def _fresh_state(self, state):
+        state["step"] = 0
+        state["exp_avg"] = torch.zeros_like(self.weight)
+        state["exp_avg_sq"] = torch.zeros_like(self.weight)
+        state["RMS"] = self.weight.new_zeros(())
+
+    def partials(self, ids, grads, state, h):
+        grad = self.whole_gradient(ids, grads)
+        if "exp_avg" not in state:
+            self._fresh_state(state)
+        state["step"] += 1
+        beta2 = h["betas"][1]
+        state["exp_avg_sq"].mul_(beta2).add_(grad * grad + h["eps"][0], alpha=1.0 - beta2)
+        self._grad = state["exp_avg_sq"].rsqrt().mul_(grad)
+        weight_sq = torch.linalg.vector_norm(self.weight, dtype=torch.float64).square()
+        return torch.stack([weight_sq, torch.linalg.vector_norm(self._grad, dtype=torch.float64).square()])
+
+    def complete(self, stats):
+        h, state = self.group.param_group, self._optimizer.state[self.weight]
+        numel, beta1 = self.geometry.numel, h["betas"][0]
+        state["RMS"] = (stats[0] / numel).sqrt().to(self.weight.dtype)
+        update = self._grad.div_(max(float(stats[1] / numel) ** 0.5 / h["clip_threshold"], 1.0))
+        state["exp_avg"].mul_(beta1).add_(update, alpha=1 - beta1)
+        if h["weight_decay"] != 0:
+            self.weight.add_(self.weight, alpha=-h["weight_decay"] * h["lr"])
+        self.weight.add_(-(state["exp_avg"] * h["lr"]))
+        self._grad = None
+
+
 class LarsTable(CrossShardOptimizer):
-    """pytorch-optimizer's ``LARS``: the trust ratio ``c ||w|| / (||g|| + wd ||w||)``, then momentum."""
+    """pytorch-optimizer's ``LARS``: the trust ratio ``c ||w|| / (||g|| + wd ||w||)``, then momentum.
+    On a vector, as its package does, plain SGD with momentum (no trust ratio, no weight decay):
+    element-wise, an empty slot."""
+
+    @classmethod
+    def slot_size(cls, geometry):
+        return 2 if len(geometry.table_shape) > 1 else 0
 
     def _fresh_state(self, state):
         if self.group.param_group["momentum"] > 0:
@@ -384,20 +485,26 @@ class LarsTable(CrossShardOptimizer):
             self._fresh_state(state)
         state["step"] += 1
         self._grad = grad
+        if self.weight.dim() == 1:
+            return grad.new_zeros(0, dtype=torch.float64)
         return torch.stack([self.weight.square().sum(), grad.square().sum()]).double()
 
     def complete(self, stats):
         h, state = self.group.param_group, self._optimizer.state[self.weight]
-        param_norm, update_norm = stats[0].sqrt().float(), stats[1].sqrt().float()
-        denominator = update_norm + h["weight_decay"] * param_norm
-        trust = h["trust_coefficient"] * param_norm / denominator if param_norm > 0 and denominator > 0 else 1.0
-        grad = self._grad.add(self.weight, alpha=h["weight_decay"]).mul_(trust)
+        grad = self._grad if self.weight.dim() == 1 else self._scaled(stats, h)
         if h["momentum"] > 0:
             buffer = state["momentum_buffer"]
             buffer.mul_(h["momentum"]).add_(grad, alpha=1.0 - h["dampening"])
             grad = grad.add_(buffer, alpha=h["momentum"]) if h["nesterov"] else buffer.clone()
         self.weight.add_(grad, alpha=-h["lr"])
         self._grad = None
+
+    def _scaled(self, stats: torch.Tensor, h: dict[str, Any]) -> torch.Tensor:
+        """A matrix's gradient, weight decay added, scaled by the trust ratio of the whole-tensor norms."""
+        param_norm, update_norm = stats[0].sqrt().float(), stats[1].sqrt().float()
+        denominator = update_norm + h["weight_decay"] * param_norm
+        trust = h["trust_coefficient"] * param_norm / denominator if param_norm > 0 and denominator > 0 else 1.0
+        return self._grad.add(self.weight, alpha=h["weight_decay"]).mul_(trust)
 
 
 class MuonTable(CrossShardOptimizer):
@@ -444,21 +551,24 @@ class MuonTable(CrossShardOptimizer):
         return whole[row : row + rows, col : col + cols]
 
 
-# optimizer class -> its cross-shard implementation. Optional packages join once imported.
+# optimizer class -> its cross-shard implementation on a matrix, and on a vector (Muon, as
+# torch's, steps matrices only). Optional packages join once imported.
 CROSS_SHARD: dict[type, type[CrossShardOptimizer]] = {torch.optim.Adafactor: AdafactorTable, torch.optim.Muon: MuonTable}
-_OPTIONAL = {
-    ("pytorch_optimizer", "Lamb"): LambTable,
-    ("pytorch_optimizer", "LARS"): LarsTable,
-    ("came_pytorch", "CAME"): CameTable,
+CROSS_SHARD_VECTOR: dict[type, type[CrossShardOptimizer]] = {torch.optim.Adafactor: AdafactorVector}
+_OPTIONAL = {  # (package, class name) -> (matrix form, vector form)
+    ("pytorch_optimizer", "Lamb"): (LambTable, LambTable),
+    ("pytorch_optimizer", "LARS"): (LarsTable, LarsTable),
+    ("came_pytorch", "CAME"): (CameTable, CameVector),
 }
 
 
-def cross_shard_class(optimizer_class: type) -> type[CrossShardOptimizer] | None:
-    """The implementation for ``optimizer_class``, or None: it stays refused on split tables."""
-    for (package, name), implementation in _OPTIONAL.items():
+def cross_shard_class(optimizer_class: type, ndim: int = 2) -> type[CrossShardOptimizer] | None:
+    """The implementation for ``optimizer_class`` on a tensor of ``ndim`` dims (2: a table or
+    matrix, 1: a vector), or None: it stays refused on such a tensor split across ranks."""
+    for (package, name), (matrix, vector) in _OPTIONAL.items():
         module = sys.modules.get(package)
         if module is not None and getattr(module, name, None) not in (None, *CROSS_SHARD):
-            CROSS_SHARD[getattr(module, name)] = implementation
-    return CROSS_SHARD.get(optimizer_class)
+            CROSS_SHARD[getattr(module, name)], CROSS_SHARD_VECTOR[getattr(module, name)] = matrix, vector
+    return {2: CROSS_SHARD, 1: CROSS_SHARD_VECTOR}.get(ndim, {}).get(optimizer_class)
 
 

@@ -13,11 +13,12 @@ virtual group, as a DDP bucket's.
 An optimizer steps a shard exactly as it would step those rows of the whole
 parameter only if it is separable along dim 0 (``OptimizerSpec.row_separable``;
 element-wise along a 1-D parameter). Layer-wise optimizers (Adafactor, LAMB,
-LARS, CAME, Muon) are not; on 2-D parameters they step across FSDP's shards with the
-core's cross-shard form (:mod:`overlap_optim.cross_shard`, :class:`CrossShardStep`):
-one all-reduce of whole-tensor statistics per step for all of them (Muon's is the
-whole matrix: a gather). Those on other shapes, and optimizers with no cross-shard
-form, are refused, naming the parameter.
+LARS, CAME, Muon) are not; on 2-D parameters, and all but Muon on 1-D ones (biases),
+they step across FSDP's shards with the core's cross-shard form
+(:mod:`overlap_optim.cross_shard`, :class:`CrossShardStep`): one all-reduce of
+whole-tensor statistics per step for all of them (Muon's is the whole matrix: a
+gather). Those on other shapes (Muon on a vector, which torch's Muon refuses as
+well), and optimizers with no cross-shard form, are refused, naming the parameter.
 
 Calling torch's own ``fully_shard`` on annotated parameters would leave them
 untrained with no error; :func:`refuse_lost_annotations` (run by
@@ -73,8 +74,9 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, **kwargs: Any) -> nn.Mod
         ValueError: a setting in-backward fp32 updates cannot follow
             (``offload_policy=CPUOffloadPolicy(...)``, an ``mp_policy`` that casts
             parameters or gradients to another dtype), or an annotated parameter whose
-            optimizer is not separable along the sharded dim, or that is in a gradient
-            clipping set; each named.
+            optimizer is not separable along the sharded dim and has no cross-shard form
+            for its shape (Adafactor, CAME, LAMB and LARS step 1-D and 2-D parameters
+            across shards, Muon 2-D ones); each named.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__name__}")
@@ -105,25 +107,26 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, **kwargs: Any) -> nn.Mod
 
 
 class CrossShardStep:
-    """The post-accumulate-grad hook of a parameter whose layer-wise optimizer steps across FSDP's
-    dim-0 shards (:mod:`overlap_optim.cross_shard`): right after the reduce-scatter, the first half
-    of the update on this rank's rows and its partial sums into the module's round; the round's one
-    all-reduce at the end of backward, then the second half. The state is the parameter's live
-    optimizer's, its row-sharded entries DTensors."""
+    """The post-accumulate-grad hook of a parameter (a matrix or a vector) whose layer-wise optimizer
+    steps across FSDP's dim-0 shards (:mod:`overlap_optim.cross_shard`): right after the
+    reduce-scatter, the first half of the update on this rank's rows (or elements; none, on an
+    empty shard) and its partial sums into the module's round; the round's one all-reduce at the
+    end of backward, then the second half. The state is the parameter's live optimizer's, its
+    row-sharded (element-wise) entries DTensors."""
 
     def __init__(self, param: DTensor, name: str, round_: EndOfBackwardRound) -> None:
         group = param._overlap_group
-        implementation = cross_shard_class(group.optimizer_class)
+        implementation = cross_shard_class(group.optimizer_class, param.dim())
         mesh = param.device_mesh
         rows, local = param.shape[0], param.to_local().detach()  # the shard's own storage
         chunk = -(-rows // mesh.size())  # FSDP2 shards dim 0 as torch.chunk does
         offset = min(mesh.get_local_rank() * chunk, rows)
         assert local.shape[0] == max(0, min(chunk, rows - offset)), (name, local.shape, rows, chunk)
-        geometry = Geometry(tuple(param.shape), (offset, 0), 0)
+        geometry = Geometry(tuple(param.shape), (offset,) + (0,) * (param.dim() - 1), 0)
         round_.register(name, implementation.slot_size(geometry))
         self.round, self.param = round_, param
         self.shard: CrossShardOptimizer = implementation(local, group, name, geometry, round_)
-        sharded = set(sharded_state_layouts(group.spec, 0))
+        sharded = set(sharded_state_layouts(group.spec, 0, param.dim()))
         # The live optimizer's own dict, looked up at each access (a checkpoint load replaces it).
         state = LocalState(lambda: live_optimizer(param).state[param], param, sharded)
         self.shard._optimizer.state[local] = state
@@ -259,15 +262,20 @@ def _check_parameters(recorded: dict, custom_placement: bool) -> None:
         if group is None or _elementwise_on_dim0(group.spec, param, custom_placement):
             continue
         spec = group.spec
-        if cross_shard_class(spec.optimizer_class) is None or param.dim() != 2 or custom_placement:
-            why = ("a 2-D parameter sharded on dim 0 only" if cross_shard_class(spec.optimizer_class) is not None
-                   else "no cross-shard form (its update reads the whole tensor in a way not built across shards)")
+        if cross_shard_class(spec.optimizer_class, param.dim()) is None or custom_placement:
             raise ValueError(
                 f"parameter {name!r} (shape {tuple(param.shape)}) is annotated with {spec.name}, which does not "
-                "step a shard as it steps those rows of the whole parameter; under FSDP it steps across shards "
-                f"on {why}. Keep this module out of fully_shard (DDP), or annotate it with an element-wise "
-                "optimizer"
+                f"step a shard as it steps those rows of the whole parameter; {_cross_shard_shapes(spec)}. "
+                "Keep this module out of fully_shard (DDP), or annotate it with an element-wise optimizer"
             )
+
+
+def _cross_shard_shapes(spec: Any) -> str:
+    """Which parameters ``spec``'s optimizer steps across FSDP's shards, for a refusal."""
+    dims = [f"{ndim}-D" for ndim in (1, 2) if cross_shard_class(spec.optimizer_class, ndim) is not None]
+    if not dims:
+        return "it has no cross-shard form (its update reads the whole tensor in a way not built across shards)"
+    return f"under FSDP it steps across shards on a {' or '.join(dims)} parameter sharded on dim 0 only"
 
 
 def _elementwise_on_dim0(spec: Any, param: torch.Tensor, custom_placement: bool) -> bool:

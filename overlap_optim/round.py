@@ -31,8 +31,9 @@ Slots are registered (:meth:`EndOfBackwardRound.register`) in the same order
 and with the same sizes on every rank, before the first backward. A participant
 arms the round from backward (:meth:`EndOfBackwardRound.arm`); every rank must
 arm it in the same backward, which holds when every rank runs some autograd
-node that arms it (each sharded kernel does). A round with no slot runs no
-collective; neither does a ``local`` one (its sums are this process's own).
+node that arms it (each sharded kernel does). A round with no slot, or
+with empty slots only, runs no collective (its participants still finish); neither
+does a ``local`` one (its sums are this process's own).
 
 If a finish raises, the rest of the rounds of that backward are dropped on
 this rank, and the deferred functions still run; an error that depends only
@@ -139,17 +140,16 @@ class EndOfBackwardRound:
         for work in before:
             work()
         contributed, self._contributed = self._contributed, []
-        if not self.size:
-            return
         buffer = torch.zeros(self.size, dtype=torch.float64)
         combine = _OPS[self.op][0]
         for key, partials, _ in contributed:
             offset, size = self.slots[key]
             part = buffer[offset : offset + size]
             part.copy_(combine(part, partials.reshape(-1).to(torch.float64)))
-        if not self.local and dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
-            dist.all_reduce(buffer, op=_OPS[self.op][1], group=self.process_group)
-        self.rounds += 1
+        if self.size:  # empty slots only (LARS on vectors): nothing to reduce, each still finishes
+            if not self.local and dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
+                dist.all_reduce(buffer, op=_OPS[self.op][1], group=self.process_group)
+            self.rounds += 1
         for key, _, finish in contributed:
             if finish is not None:
                 offset, size = self.slots[key]

@@ -358,7 +358,8 @@ class TableOptimizer:
     :meth:`_clear_state`, :meth:`_set_state`).
 
     Args:
-        weight: the table shard, ``(rows, dim)``; updated in place.
+        weight: the table shard, ``(rows, dim)``, or the shard of a vector that a cross-shard
+            optimizer steps under FSDP2 (:mod:`overlap_optim.cross_shard`); updated in place.
         group: the table's annotation.
         name: the table's name, for errors.
     """
@@ -367,7 +368,7 @@ class TableOptimizer:
     one_pass = False  # whether step() runs the compiled one-pass update (overlap_optim.row_pass)
 
     def __init__(self, weight: torch.Tensor, group: AnnotationGroup, name: str = "?") -> None:
-        assert weight.dim() == 2, "a table is 2-D"
+        assert weight.dim() in (1, 2), "a table is 2-D (a cross-shard vector 1-D)"
         self.weight, self.group, self.name = weight, group, name
         self.param_group = group.param_group
         self._row_keys = group.spec.row_keys()

@@ -39,10 +39,10 @@ def _full(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor() if hasattr(param, "full_tensor") else param
 
 
-def sharded_pair(weights: tuple, seed: int = 0):
+def sharded_pair(weights: tuple, seed: int = 0, biases: tuple = BIASES):
     """(ours: annotated and sharded by overlap_optim.fully_shard, the reference, its optimizers). The
     weights get ``weights`` = (class, kwargs) with one learning rate per layer (a setting each); the
-    biases Adam."""
+    biases ``biases`` (Adam)."""
     cls, kwargs = weights
     model = mlp(seed)
     reference = copy.deepcopy(model)
@@ -51,15 +51,15 @@ def sharded_pair(weights: tuple, seed: int = 0):
         layer_kwargs = {**kwargs, "lr": kwargs["lr"] * (1 + i)}
         overlap_optim.apply_optimizer_in_backward(cls, [ours.weight], layer_kwargs)
         ref_opts.append(cls([ref.weight], **layer_kwargs))
-    overlap_optim.apply_optimizer_in_backward(BIASES[0], [m.bias for m in _linears(model)], BIASES[1])
-    ref_opts.append(BIASES[0]([m.bias for m in _linears(reference)], **BIASES[1]))
+    overlap_optim.apply_optimizer_in_backward(biases[0], [m.bias for m in _linears(model)], biases[1])
+    ref_opts.append(biases[0]([m.bias for m in _linears(reference)], **biases[1]))
     return model, reference, ref_opts
 
 
-def train(model, reference, ref_opts, rank, world_size, steps, before_step=None, ref_clip=None):
+def train(model, reference, ref_opts, rank, world_size, steps, before_step=None, ref_clip=None, by_name=None):
     """Each step: ours on this rank's part of the batch, the reference on the whole batch and
     ``torch.optim`` (after ``ref_clip()``, if given); the largest difference of any parameter after
-    each step."""
+    each step (and of each parameter, appended to ``by_name[fqn]``, if given)."""
     diffs = []
     for step in range(steps):
         if before_step is not None:
@@ -72,7 +72,11 @@ def train(model, reference, ref_opts, rank, world_size, steps, before_step=None,
         for opt in ref_opts:
             opt.step()
             opt.zero_grad()
-        diffs.append(max((_full(p) - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())))
+        each = {n: (_full(p) - q).abs().max().item() for (n, p), q in zip(model.named_parameters(), reference.parameters())}
+        diffs.append(max(each.values()))
+        if by_name is not None:
+            for n, diff in each.items():
+                by_name.setdefault(n, []).append(diff)
     return diffs
 
 
@@ -179,15 +183,23 @@ CHECKPOINTED = (torch.optim.Adam, {"lr": 0.05, "amsgrad": True})
 
 
 def weights_of(name: str) -> tuple:
-    """The weights' (class, kwargs) of a checkpoint case: "adam", or a layer-wise optimizer's name."""
+    """The weights' (class, kwargs) of a checkpoint case "<weights>" or "<weights>+<biases>": "adam", or a
+    layer-wise optimizer's name."""
     from _layerwise_bodies import LAYERWISE
 
-    return CHECKPOINTED if name == "adam" else LAYERWISE[name]
+    weights = name.split("+")[0]
+    return CHECKPOINTED if weights == "adam" else LAYERWISE[weights]
 
 
-def reference_after(steps: int, world_size: int, weights: tuple = CHECKPOINTED):
+def biases_of(name: str) -> tuple:
+    """The biases' (class, kwargs) of a checkpoint case: Adam, or for "<weights>+<biases>" the layer-wise
+    optimizer ``biases`` (of VECTORS; :func:`vector_setting`)."""
+    return vector_setting(name.split("+")[1]) if "+" in name else BIASES
+
+
+def reference_after(steps: int, world_size: int, weights: tuple = CHECKPOINTED, biases: tuple = BIASES):
     """(the unsharded reference, its optimizers) after ``steps`` steps on the global batches."""
-    _, reference, ref_opts = sharded_pair(weights)
+    _, reference, ref_opts = sharded_pair(weights, biases=biases)
     for step in range(steps):
         x, y = _batch(step, world_size)
         _loss(reference, x, y).backward()
@@ -215,27 +227,27 @@ def checkpoint_to_ddp(rank, world_size, directory, weights="adam", steps=2):
     reference: the differences after the load and after that step."""
     from torch.nn.parallel import DistributedDataParallel
 
-    setting = weights_of(weights)
-    model, reference, ref_opts = sharded_pair(setting)
+    setting, biases = weights_of(weights), biases_of(weights)
+    model, reference, ref_opts = sharded_pair(setting, biases=biases)
     mesh = init_device_mesh("cpu", (world_size,))
     overlap_optim.fully_shard(model, mesh=mesh)
     train(model, reference, ref_opts, rank, world_size, steps)
     overlap_optim.checkpoint.save(directory, model, overlap_optim.get_optimizers(model), {"step": steps})
     found = {}
     for target in ("ddp", "fsdp"):
-        other, _, _ = sharded_pair(setting, seed=1)
+        other, _, _ = sharded_pair(setting, seed=1, biases=biases)
         if target == "ddp":
             other = DistributedDataParallel(other)
             overlap_optim.register_optimizer_hook(other)
         else:
             overlap_optim.fully_shard(other, mesh=mesh)
         extra = overlap_optim.checkpoint.load(directory, other, overlap_optim.get_optimizers(other), {"step": None})
-        ref, opts = reference_after(steps, world_size, setting)  # the same run, again
+        ref, opts = reference_after(steps, world_size, setting, biases)  # the same run, again
         found[target] = (*_continue(other, ref, opts, rank, world_size, steps), extra["step"])
         if target == "ddp":  # and back: saved under DDP after that step, loaded under FSDP2
             back = f"{directory}/from_ddp"
             overlap_optim.checkpoint.save(back, other, overlap_optim.get_optimizers(other), {"step": steps + 1})
-            sharded, _, _ = sharded_pair(setting, seed=2)
+            sharded, _, _ = sharded_pair(setting, seed=2, biases=biases)
             overlap_optim.fully_shard(sharded, mesh=mesh)
             extra = overlap_optim.checkpoint.load(back, sharded, overlap_optim.get_optimizers(sharded), {"step": None})
             found["ddp_to_fsdp"] = (*_continue(sharded, ref, opts, rank, world_size, steps + 1), extra["step"] - 1)
@@ -317,7 +329,6 @@ def layerwise(rank, world_size, name, steps=4, statistics=True):
     """The weights with a layer-wise optimizer (tests/_layerwise_bodies.LAYERWISE), the biases Adam, each
     step against the package on one process; the all-reduces of one backward; with ``statistics`` off
     (a mutation: each shard keeps its own sums), the same differences, which must then be large."""
-    import torch.distributed as dist
     from _layerwise_bodies import LAYERWISE
 
     cls, kwargs = LAYERWISE[name]
@@ -330,10 +341,26 @@ def layerwise(rank, world_size, name, steps=4, statistics=True):
     start = [p.detach().clone() for p in reference.parameters()]
     overlap_optim.fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
     if not statistics:
-        for param in model.parameters():
-            step = param.__dict__.get("_overlap_fsdp_cross_shard")
-            if step is not None:
-                step.round.local = True
+        _make_rounds_local(model)
+    with _all_reduces() as reduces:
+        diffs = train(model, reference, ref_opts, rank, world_size, steps)
+    return {"diffs": diffs, "all_reduces_per_step": len(reduces) / steps, "floats": sorted(set(reduces)),
+            "moved": min((p.detach() - s).abs().max().item() for p, s in zip(reference.parameters(), start))}
+
+
+def _make_rounds_local(model: nn.Module) -> None:
+    """The mutation: each shard finishes its cross-shard step on its own sums."""
+    for param in model.parameters():
+        step = param.__dict__.get("_overlap_fsdp_cross_shard")
+        if step is not None:
+            step.round.local = True
+
+
+@contextlib.contextmanager
+def _all_reduces():
+    """The sizes of the all-reduces run inside, in a list."""
+    import torch.distributed as dist
+
     reduces, original = [], dist.all_reduce
 
     def counting(tensor, *args, **kwargs):
@@ -342,11 +369,75 @@ def layerwise(rank, world_size, name, steps=4, statistics=True):
 
     dist.all_reduce = counting
     try:
-        diffs = train(model, reference, ref_opts, rank, world_size, steps)
+        yield reduces
     finally:
         dist.all_reduce = original
-    return {"diffs": diffs, "all_reduces_per_step": len(reduces) / steps, "floats": sorted(set(reduces)),
-            "moved": min((p.detach() - s).abs().max().item() for p, s in zip(reference.parameters(), start))}
+
+
+# The layer-wise optimizers that step vectors (torch's Muon steps matrices only).
+VECTORS = ("adafactor", "came", "lamb", "lars")
+
+
+def vector_setting(name: str) -> tuple:
+    """(class, kwargs) of tests/_layerwise_bodies.LAYERWISE[name], with a weight decay where it has none
+    (LARS, as its package does, decays and scales no vector)."""
+    from _layerwise_bodies import LAYERWISE
+
+    cls, kwargs = LAYERWISE[name]
+    return cls, {"weight_decay": 0.05, **kwargs}
+
+
+def layerwise_vectors(rank, world_size, name, steps=4, statistics=True):
+    """Every parameter of the MLP with the layer-wise optimizer ``name`` (of VECTORS), its biases of 5, 3
+    and 1 elements included (rank 1 holds 2, 1 and none of them), against the package on one process,
+    every step. Returns the differences after each step (of any parameter, of the biases), how far the
+    reference moved its parameters, the all-reduces per step, the local sizes of the biases, and the
+    state against the reference's (:func:`_state_against`); with ``statistics`` off, the mutation."""
+    cls, kwargs = vector_setting(name)
+    model = mlp()
+    reference = copy.deepcopy(model)
+    overlap_optim.apply_optimizer_in_backward(cls, model.parameters(), kwargs)
+    ref_opt = cls(reference.parameters(), **kwargs)
+    start = [p.detach().clone() for p in reference.parameters()]
+    overlap_optim.fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    if not statistics:
+        _make_rounds_local(model)
+    by_name = {}
+    with _all_reduces() as reduces:
+        diffs = train(model, reference, [ref_opt], rank, world_size, steps, by_name=by_name)
+    biases = [n for n, p in model.named_parameters() if p.dim() == 1]
+    return {"diffs": diffs, "bias_diffs": [max(step) for step in zip(*(by_name[n] for n in biases))],
+            "moved": min((p.detach() - s).abs().max().item() for p, s in zip(reference.parameters(), start)),
+            "all_reduces_per_step": len(reduces) / steps,
+            "bias_rows": [model.get_parameter(n).to_local().shape[0] for n in biases],
+            **_state_against(model, reference, ref_opt)}
+
+
+def _state_against(model, reference, ref_opt) -> dict:
+    """``get_optimizers(model).state_dict()`` against the reference optimizer's state: the parameters whose
+    state names are not the reference's (plus the counters the optimizer keeps in its param group), the
+    entries of another global shape, the largest difference of any entry, and (vector, name, type) of
+    each vector's per-element entries."""
+    state = overlap_optim.get_optimizers(model).state_dict()["state"]
+    counters = set(next(model.parameters())._overlap_group.spec.group_state)
+    names, shapes, largest, kinds = [], [], 0.0, set()
+    for fqn, ref_param in reference.named_parameters():
+        ours, theirs = state[fqn], ref_opt.state[ref_param]
+        if set(ours) != set(theirs) | counters:
+            names.append((fqn, sorted(ours), sorted(theirs)))
+            continue
+        for key, want in theirs.items():
+            got = ours[key]
+            if isinstance(want, torch.Tensor) and want.dim():
+                if ref_param.dim() == 1:
+                    kinds.add((fqn, key, type(got).__name__))
+                got = _full(got)
+                if got.shape != want.shape:
+                    shapes.append((fqn, key, tuple(got.shape), tuple(want.shape)))
+                    continue
+            largest = max(largest, (torch.as_tensor(got, dtype=torch.float64) - torch.as_tensor(
+                want, dtype=torch.float64)).abs().max().item())
+    return {"state_names": names, "state_shapes": shapes, "state_diff": largest, "vector_state": sorted(kinds)}
 
 
 def clipped(rank, world_size, how, weights=(torch.optim.Adam, {"lr": 0.05}), steps=3):

@@ -16,15 +16,20 @@ from torch import nn
 import overlap_optim
 from overlap_optim.testing import run_cases, selected_cases
 from _fsdp_bodies import (
-    _batch, _loss, accumulated, checkpoint_to_ddp, clipped, dmp_with_fsdp, grouped, layerwise, parity, reference_after, scheduled,
-    sharded_pair, torch_fully_shard, unused, weights_of,
+    VECTORS, _batch, _loss, accumulated, checkpoint_to_ddp, clipped, dmp_with_fsdp, grouped, layerwise, layerwise_vectors,
+    biases_of, parity, reference_after, scheduled, sharded_pair, torch_fully_shard, unused, weights_of,
 )
 from test_parity_single_process import CASES
 
 PARITY = {f"parity/{name}": partial(parity, weights=(cls, kwargs)) for name, cls, kwargs in CASES}
-CHECKPOINTS = ("adam", "adafactor", "lamb", "muon")  # the weights' optimizer of each checkpoint case
+# the weights' optimizer of each checkpoint case, and after a "+" the biases' (else Adam)
+CHECKPOINTS = ("adam", "adafactor", "lamb", "muon", "adafactor+adafactor", "adam+came", "adam+lars")
 LAYERWISE = {f"layerwise/{name}": partial(layerwise, name=name) for name in ("adafactor", "came", "lamb", "lars", "muon", "muon_settings")}
-RANK_CASES = {**PARITY, **LAYERWISE, "layerwise/adafactor/no_statistics": partial(layerwise, name="adafactor",
+# Every parameter, biases included, with a layer-wise optimizer; the mutation of each that has vector statistics.
+ON_VECTORS = {f"vectors/{name}": partial(layerwise_vectors, name=name) for name in VECTORS}
+VECTOR_MUTATIONS = {f"vectors/{name}/no_statistics": partial(layerwise_vectors, name=name, statistics=False)
+                    for name in ("adafactor", "came", "lamb")}
+RANK_CASES = {**PARITY, **LAYERWISE, **ON_VECTORS, **VECTOR_MUTATIONS, "layerwise/adafactor/no_statistics": partial(layerwise, name="adafactor",
                                                                                   statistics=False),
               "grouped": grouped, "accumulated/adafactor": partial(accumulated, weights="adafactor"),
               "clipped/norm": partial(clipped, how={"max_norm": 0.05}),
@@ -61,6 +66,27 @@ def test_layerwise_optimizers_step_across_fsdp_shards_exactly(ranks, case):
         assert max(out["diffs"]) < 1e-5, out["diffs"]
         assert out["moved"] > 1e-4, out
         assert out["all_reduces_per_step"] == 1, out  # one round for the 3 weights
+
+
+@pytest.mark.parametrize("case", ON_VECTORS)
+def test_layerwise_optimizers_step_biases_across_fsdp_shards_exactly(ranks, case):
+    """Biases of 5, 3 and 1 elements: rank 1 holds 2, 1 and none, and still takes part in the round."""
+    assert [out["bias_rows"] for out in ranks[case]] == [[3, 2, 1], [2, 1, 0]]
+    for out in ranks[case]:
+        assert max(out["diffs"]) < 1e-5, out["diffs"]
+        assert out["moved"] > 1e-4, out  # every parameter, more than 3x the tolerance
+        assert out["all_reduces_per_step"] == 1, out  # one round for the 3 weights and the 3 biases
+        # the reference's state names (and the counters it keeps in its group) and global shapes, its values
+        assert out["state_names"] == [] and out["state_shapes"] == [], out
+        assert out["state_diff"] < 1e-5, out
+        # the per-element state of a bias is sharded as the bias is
+        assert {kind for _, _, kind in out["vector_state"]} == {"DTensor"}, out["vector_state"]
+
+
+@pytest.mark.parametrize("case", VECTOR_MUTATIONS)
+def test_without_the_cross_shard_statistics_the_biases_are_wrong(ranks, case):
+    """The mutation the bias test must catch: each shard of a bias on its own sums."""
+    assert max(max(out["bias_diffs"]) for out in ranks[case]) > 1e-4, [out["bias_diffs"] for out in ranks[case]]
 
 
 @pytest.mark.parametrize("case", ["layerwise/adafactor/no_statistics"])
@@ -139,10 +165,10 @@ def test_a_checkpoint_saved_under_fsdp_loads_under_ddp_and_fsdp(ranks, case):
 @pytest.mark.parametrize("case", [f"checkpoint/{w}" for w in CHECKPOINTS])
 def test_a_checkpoint_saved_under_fsdp_on_2_ranks_loads_in_one_process(ranks, case, directories):
     ranks[case]  # saved by the ranks
-    weights = weights_of(case.split("/")[1])
-    model = sharded_pair(weights, seed=1)[0]  # another start: the load must replace it
+    weights, biases = weights_of(case.split("/")[1]), biases_of(case.split("/")[1])
+    model = sharded_pair(weights, seed=1, biases=biases)[0]  # another start: the load must replace it
     overlap_optim.checkpoint.load(directories[case], model, overlap_optim.get_optimizers(model))
-    reference, ref_opts = reference_after(2, world_size=2, weights=weights)
+    reference, ref_opts = reference_after(2, world_size=2, weights=weights, biases=biases)
     assert max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())) < 1e-6
     x, y = _batch(2, world_size=2)  # one more step on the global batch, in one process
     _loss(model, x, y).backward()
@@ -161,9 +187,19 @@ def _annotated(cls=torch.optim.Adam, kwargs=None):
     return model
 
 
-def test_a_layerwise_optimizer_on_a_vector_is_refused_naming_the_parameter():
-    with pytest.raises(ValueError, match=r"parameter '0.bias' \(shape \(5,\)\) is annotated with Adafactor.*2-D"):
-        overlap_optim.fully_shard(_annotated(torch.optim.Adafactor))
+def test_muon_on_a_vector_is_refused_naming_the_parameter():
+    """As torch's Muon refuses it: when annotated, before fully_shard."""
+    with pytest.raises(ValueError, match=r"params\[1\] \(shape \(5,\)\) is 1-D, and Muon does not step 1-D.*2D"):
+        overlap_optim.fully_shard(_annotated(torch.optim.Muon))
+
+
+def test_a_layerwise_optimizer_on_a_3d_parameter_is_refused_naming_the_parameter():
+    model = nn.Module()
+    model.kernel = nn.Parameter(torch.randn(4, 3, 2))
+    overlap_optim.apply_optimizer_in_backward(torch.optim.Adafactor, model.parameters(), {"lr": 0.05})
+    with pytest.raises(ValueError, match=r"parameter 'kernel' \(shape \(4, 3, 2\)\) is annotated with Adafactor.*"
+                                         r"on a 1-D or 2-D parameter"):
+        overlap_optim.fully_shard(model)
 
 
 def test_an_optimizer_without_a_cross_shard_form_is_refused_naming_the_parameter():
