@@ -102,6 +102,20 @@ def sharded_state_layouts(spec: OptimizerSpec, axis: int, ndim: int = 2) -> dict
     return layouts
 
 
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+
+
+def _square_norm(tensor: torch.Tensor) -> torch.Tensor:
+    """``||tensor||^2`` of a 2-D tensor, in float64, without a copy of it: torch's float64 norm of a
+    float32 tensor (``vector_norm(t, dtype=torch.float64)``) casts it whole first, 8 bytes an
+    element. The norms along the longer axis are taken in float32 (or wider), their squares
+    summed in float64."""
+    longer = 0 if tensor.shape[0] >= tensor.shape[1] else 1
+    norms = torch.linalg.vector_norm(tensor, dim=longer, dtype=torch.promote_types(tensor.dtype, torch.float32))
+    return norms.double().square().sum()
+
+
 class CrossShardOptimizer(DenseTableOptimizer):
     """A split table's (or an FSDP-sharded vector's) layer-wise optimizer, one local shard of it
     (dense semantics).
@@ -116,6 +130,33 @@ class CrossShardOptimizer(DenseTableOptimizer):
     def slot_size(cls, geometry: Geometry) -> int:
         """Floats of whole-table statistics per step; the same on every rank."""
         return 2
+
+    @classmethod
+    def step_bytes(cls, geometry: Geometry, shard_shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> int:
+        """Bytes one shard of ``shard_shape`` (a ``dtype`` weight) allocates in a step beyond its
+        state, at the step's peak: either outside the round, its temporaries (the shard-sized
+        gradient and what is made from it) and its partial sums, or in the round, what it holds
+        from one half to the other and its slot (:meth:`EndOfBackwardRound.slot_bytes`).
+
+        Buffers the size of the batch (the touched rows' gradients and what is made from them)
+        are not counted, as the planner counts none for lazy tables. Measured against the peak
+        of a step in ``tests/test_kernels.py``.
+        """
+        slot = cls.slot_size(geometry)
+        outside = cls._temporary_bytes(geometry, shard_shape, dtype) + 8 * slot
+        in_round = cls._held_bytes(geometry, shard_shape, dtype) + EndOfBackwardRound.slot_bytes(slot)
+        return max(outside, in_round)
+
+    @classmethod
+    def _temporary_bytes(cls, geometry: Geometry, shard_shape: tuple[int, int], dtype: torch.dtype) -> int:
+        """The temporaries alive together at the step's peak outside the round, in either half
+        (here, the shard-sized gradient of :meth:`whole_gradient`)."""
+        return _nbytes(shard_shape, dtype)
+
+    @classmethod
+    def _held_bytes(cls, geometry: Geometry, shard_shape: tuple[int, int], dtype: torch.dtype) -> int:
+        """What :meth:`partials` keeps for :meth:`complete` (here, the shard-sized gradient)."""
+        return _nbytes(shard_shape, dtype)
 
     def __init__(self, weight, group: AnnotationGroup, name: str, geometry: Geometry, round_: EndOfBackwardRound) -> None:
         super().__init__(weight, group, name)
@@ -164,6 +205,15 @@ class CrossShardOptimizer(DenseTableOptimizer):
 class LambTable(CrossShardOptimizer):
     """pytorch-optimizer's ``Lamb``: Adam moments, then the trust ratio ``||w|| / ||u||``; the same
     on a vector."""
+
+    @classmethod
+    def _temporary_bytes(cls, geometry, shard_shape, dtype):
+        # the gradient, the update, and the square of the weight, then of the update, for their norms
+        return 3 * _nbytes(shard_shape, dtype)
+
+    @classmethod
+    def _held_bytes(cls, geometry, shard_shape, dtype):
+        return _nbytes(shard_shape, dtype)  # the update
 
     def _check_settings(self) -> None:
         h, kwargs = self.group.param_group, self.group.spec.kwargs
@@ -227,13 +277,30 @@ class AdafactorTable(CrossShardOptimizer):
 
     Apart from the weight's norm and its weight decay, the step costs the touched rows, not
     the shard: an untouched row's gradient is zero, so it adds nothing to the sums and its
-    update is zero (on column shards every row is local, and the same holds per row).
+    update is zero (on column shards every row is local, and the same holds per row). No
+    temporary is the shard's size: the largest are the row factor's update on row shards,
+    and the slot of the round (whose size is the unsplit axis's, twice). :meth:`step_bytes`
+    counts those, not the touched rows' buffers (the batch's size), as the planner counts
+    none for lazy tables.
     """
 
     @classmethod
     def slot_size(cls, geometry):
         rows, cols = geometry.table_shape
         return 3 + 2 * (cols if geometry.axis == 0 else rows)
+
+    @classmethod
+    def _temporary_bytes(cls, geometry, shard_shape, dtype):
+        # Row shards: the row factor's new values, whole (zeros at untouched rows). Column shards,
+        # in the second half: beside the partial sums, the summed buffer, and three float64 vectors
+        # of the rows (the row factor, the sums over it, where it is positive).
+        if geometry.axis == 0:
+            return _nbytes(shard_shape[:1], dtype)
+        return 8 * cls.slot_size(geometry) + 3 * _nbytes(shard_shape[:1], torch.float64)
+
+    @classmethod
+    def _held_bytes(cls, geometry, shard_shape, dtype):
+        return 0  # the touched rows and their gradients: the batch's size
 
     def _check_settings(self):
         self._floor_bound = False
@@ -255,7 +322,7 @@ class AdafactorTable(CrossShardOptimizer):
         beta = float(state["step"]) ** h["beta2_decay"]
         rows, cols = self.geometry.table_shape
         square = grads * grads
-        weight_sq = torch.linalg.vector_norm(self.weight, dtype=torch.float64).square()  # before weight decay
+        weight_sq = _square_norm(self.weight)  # before weight decay
         if h["weight_decay"] != 0:
             self.weight.mul_(1 - h["lr"] * h["weight_decay"])
         self._touched = ids, grads
@@ -357,6 +424,16 @@ class CameTable(CrossShardOptimizer):
         rows, cols = geometry.table_shape
         return 3 + 4 * cols if geometry.axis == 0 else 1 + 4 * rows
 
+    @classmethod
+    def _temporary_bytes(cls, geometry, shard_shape, dtype):
+        # In the first half: the gradient, its square, the square plus eps1; the old momentum, the
+        # gradient over the local factor and one product of them (for a partial sum), in float64.
+        return 3 * _nbytes(shard_shape, dtype) + 3 * _nbytes(shard_shape, torch.float64)
+
+    @classmethod
+    def _held_bytes(cls, geometry, shard_shape, dtype):
+        return _nbytes(shard_shape, dtype)  # the gradient
+
     def _fresh_state(self, state):
         (rows, cols), (local_rows, local_cols) = self.geometry.table_shape, self.weight.shape
         own_rows = local_rows if self.geometry.axis == 0 else rows
@@ -377,7 +454,7 @@ class CameTable(CrossShardOptimizer):
         beta2, (eps1, _) = h["betas"][1], h["eps"]
         square = grad * grad
         sq = square + eps1
-        weight_sq = torch.linalg.vector_norm(self.weight, dtype=torch.float64).square()[None]
+        weight_sq = _square_norm(self.weight)[None]
         m_old = state["exp_avg"].double()
         self._grad = grad
         if self.geometry.axis == 0:  # whole rows here: the row factor is local
@@ -474,6 +551,12 @@ class LarsTable(CrossShardOptimizer):
     def slot_size(cls, geometry):
         return 2 if len(geometry.table_shape) > 1 else 0
 
+    @classmethod
+    def _temporary_bytes(cls, geometry, shard_shape, dtype):
+        # In the second half: the gradient, the scaled gradient, and the momentum's copy (one
+        # fewer without momentum, or with Nesterov's: the count is the larger)
+        return 3 * _nbytes(shard_shape, dtype)
+
     def _fresh_state(self, state):
         if self.group.param_group["momentum"] > 0:
             state["momentum_buffer"] = torch.zeros_like(self.weight)
@@ -523,6 +606,16 @@ class MuonTable(CrossShardOptimizer):
     def slot_size(cls, geometry):
         rows, cols = geometry.table_shape
         return rows * cols
+
+    @classmethod
+    def step_bytes(cls, geometry, shard_shape, dtype=torch.float32):
+        """The round's slot at its peak: the whole matrix contributed in ``dtype``, and in float64 the
+        buffer, a copy and the sum (28 bytes an element of the table, for float32). Outside the
+        round, the shard's gradient, its Nesterov update and the matrix are less; so are, in the
+        second half, the matrix in ``dtype`` and the orthogonalisation's bfloat16 copies beside
+        the slot."""
+        outside = 2 * _nbytes(shard_shape, dtype) + _nbytes(geometry.table_shape, dtype)
+        return max(outside, EndOfBackwardRound.slot_bytes(cls.slot_size(geometry), dtype))
 
     def _fresh_state(self, state):
         state["momentum_buffer"] = torch.zeros_like(self.weight)

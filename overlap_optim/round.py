@@ -109,6 +109,16 @@ class EndOfBackwardRound:
         self.slots[key] = (self.size, size)
         self.size += size
 
+    @staticmethod
+    def slot_bytes(size: int, partials_dtype: torch.dtype = torch.float64) -> int:
+        """Bytes a slot of ``size`` floats takes at the peak of :meth:`run`: the partials contributed
+        to it (in ``partials_dtype``, held until every participant has finished), its part of the
+        float64 buffer, and, while the partials are summed into it, their float64 copy (none if
+        they are float64) and the sum. For float64 partials, 24 bytes a float."""
+        itemsize = torch.empty(0, dtype=partials_dtype).element_size()
+        copy = 0 if partials_dtype == torch.float64 else 8
+        return size * (itemsize + 8 + copy + 8)
+
     def contribute(self, key: str, partials: torch.Tensor, finish: Finish | None = None) -> None:
         """Add ``partials`` to slot ``key``; ``finish(reduced)`` runs once the round has reduced it.
         Safe from DDP's communication thread (a list append)."""

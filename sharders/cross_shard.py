@@ -39,10 +39,13 @@ class CrossShardTable(FallbackTable):
         return implementation(weight, self.group, self.table, geometry, context.round)
 
     def step_bytes(self, shard_shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> int:
-        """The shard-sized gradient, and the round's statistics: this table's slot of the float64
-        buffer and the partial sums handed to it (for Muon, the whole matrix, twice)."""
-        slot = cross_shard_class(self.group.optimizer_class).slot_size(self._geometry())
-        return super().step_bytes(shard_shape, dtype) + 2 * 8 * slot
+        """What its optimizer's cross-shard form allocates at the peak of a step
+        (:meth:`overlap_optim.cross_shard.CrossShardOptimizer.step_bytes`): for Adafactor no
+        shard-sized gradient (it steps the touched rows), for LAMB, CAME and LARS the gradient and
+        the shard-sized temporaries made from it, for Muon the whole matrix in the round; and the
+        table's slot of the round."""
+        implementation = cross_shard_class(self.group.optimizer_class)
+        return implementation.step_bytes(self._geometry(), tuple(shard_shape), dtype)
 
     def state_layout(self) -> dict[str, str]:
         return sharded_state_layouts(self.group.spec, split_axis(self.decision.sharding_type))

@@ -303,8 +303,9 @@ class TableKernel:
         return _bytes(self.group.spec.state_shapes(tuple(shard_shape)), dtype)
 
     def step_bytes(self, shard_shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> int:
-        """Bytes one shard of ``shard_shape`` allocates for each step beyond its state (a shard-sized
-        gradient, say); the planner counts them with the shard (:mod:`sharders.planner`)."""
+        """Bytes one shard of ``shard_shape`` allocates at the peak of a step beyond its state (a
+        shard-sized gradient, say; buffers the size of the batch aside); the planner counts them
+        with the shard (:mod:`sharders.planner`)."""
         return 0
 
     # -- run time --

@@ -22,11 +22,16 @@ enumerator that, for every sharding option of a table sharded by our sharders:
   (:meth:`sharders.kernels.TableKernel.state_bytes`: FBGEMM's fp32 state for fused
   tables, torch.optim's for the fallback, amsgrad's extra buffer included,
   factored state for cross-shard tables, the whole table's for data-parallel
-  ones), plus the per-step buffers the kernel allocates
-  (:meth:`~sharders.kernels.TableKernel.step_bytes`, such as the shard-sized
-  gradient of a dense-semantics table, and a cross-shard table's slot of its
-  round: for Muon, the whole matrix). TorchRec's own tensor and I/O sizes are
-  kept; its multiplier is not applied.
+  ones), plus what the kernel allocates at the peak of a step
+  (:meth:`~sharders.kernels.TableKernel.step_bytes`): the shard-sized gradient
+  of a dense table; for a cross-shard table, what its optimizer's cross-shard
+  form allocates (:meth:`overlap_optim.cross_shard.CrossShardOptimizer.step_bytes`:
+  no shard-sized gradient for Adafactor, which steps the touched rows; the
+  gradient and the shard-sized temporaries made from it for LAMB, LARS and
+  CAME; the whole matrix for Muon) and its slot of the round. Buffers the size
+  of the batch (the touched rows' gradients) are not counted, as for lazy
+  tables. TorchRec's own tensor and I/O sizes are kept; its multiplier is not
+  applied.
 
 On CPU the bytes go to DDR; on CUDA to HBM, or to DDR for kernels that keep the
 table in host memory (UVM).

@@ -13,6 +13,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 import overlap_optim
 import sharders
+from _memory import allocated_peak
 from sharders.planner import EmbeddingShardingPlanner
 
 ROWS = 4000
@@ -22,6 +23,7 @@ FOUR = [("amsgrad", torch.optim.Adam, {"lr": 0.01, "amsgrad": True}),
         ("adamw", torch.optim.AdamW, {"lr": 0.01}),
         ("adafactor", torch.optim.Adafactor, {"lr": 0.01})]
 WIDE = [("rowwise", RowWiseAdagrad, {"lr": 0.1})]  # 4000 x 256: must be split under a small cap
+MODELS = {"four": (FOUR, 64), "wide": (WIDE, 256), "adafactor": (FOUR[3:], 64)}  # (tables, dim)
 
 
 def _model(specs, dim):
@@ -46,10 +48,11 @@ def held_bytes(dmp) -> int:
 
 
 def capped(rank, world_size, which, cap, constraints=None):
-    """Plan ``which`` ("four" or "wide") with a DDR cap of ``cap`` table weights per rank and no
-    storage reservation; shard, take one step. Returns the plan and this rank's bytes after the step
-    (in table weights), or the planner's error as "Type: message"."""
-    specs, dim = (FOUR, 64) if which == "four" else (WIDE, 256)
+    """Plan ``which`` (of :data:`MODELS`) with a DDR cap of ``cap`` table weights per rank and no
+    storage reservation; shard, take one step. Returns the plan, this rank's bytes after the step,
+    and the most a second step (forward and backward) allocated above what the rank held (in table
+    weights); or the planner's error as "Type: message"."""
+    specs, dim = MODELS[which]
     weight = ROWS * dim * 4
     model = _model(specs, dim)
     sharder = sharders.EmbeddingBagCollectionSharder()
@@ -70,8 +73,10 @@ def capped(rank, world_size, which, cap, constraints=None):
     kjt = KeyedJaggedTensor.from_lengths_sync(
         keys=[f"f_{n}" for n in names], values=torch.randint(0, ROWS, (len(names) * 64 * 5,), generator=generator),
         lengths=torch.full((len(names) * 64,), 5))
-    sum(v.sum() for v in dmp(kjt).to_dict().values()).backward()
-    return {"types": types, "held": held_bytes(dmp) / weight}
+    sum(v.sum() for v in dmp(kjt).to_dict().values()).backward()  # the state is made
+    held = held_bytes(dmp)
+    peak = allocated_peak(lambda: sum(v.sum() for v in dmp(kjt).to_dict().values()).backward())
+    return {"types": types, "held": held / weight, "peak": peak / weight}
 
 
 class _WithDense(torch.nn.Module):
