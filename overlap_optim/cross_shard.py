@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz  # Muon's own math, for MuonTable
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from overlap_optim.round import EndOfBackwardRound
 from overlap_optim.spec import AnnotationGroup, OptimizerSpec
@@ -157,6 +158,12 @@ class CrossShardOptimizer(DenseTableOptimizer):
     def _held_bytes(cls, geometry: Geometry, shard_shape: tuple[int, int], dtype: torch.dtype) -> int:
         """What :meth:`partials` keeps for :meth:`complete` (here, the shard-sized gradient)."""
         return _nbytes(shard_shape, dtype)
+
+    @classmethod
+    def unsupported(cls, spec: OptimizerSpec, axis: int) -> str | None:
+        """Why a table split along ``axis`` cannot run ``spec`` across its shards, or None. Read
+        from the annotation alone, so it is refused on every rank before anything is sharded."""
+        return None
 
     def __init__(self, weight, group: AnnotationGroup, name: str, geometry: Geometry, round_: EndOfBackwardRound) -> None:
         super().__init__(weight, group, name)
@@ -590,6 +597,65 @@ class LarsTable(CrossShardOptimizer):
         return self._grad.add(self.weight, alpha=h["weight_decay"]).mul_(trust)
 
 
+class RowWiseAdagradTable(CrossShardOptimizer):
+    """torchrec's ``RowWiseAdagrad`` on column shards: each row's accumulator adds the mean of
+    ``g^2`` over the row's columns, which the shards split.
+
+    Every column shard holds every row, so each holds the whole ``sum`` (R, 1), and the same
+    touched rows. One round carries each row's partial sum of ``g^2`` over the shard's columns
+    (R floats per table); each shard then adds the row means to its ``sum`` and steps its
+    columns of the touched rows. An untouched row's gradient is zero: it adds nothing and does
+    not move, so the step is the same under lazy and dense semantics, without weight decay.
+    Stock TorchRec gives each column shard its own accumulator instead: another optimizer.
+    """
+
+    @classmethod
+    def slot_size(cls, geometry):
+        return geometry.table_shape[0]
+
+    @classmethod
+    def _temporary_bytes(cls, geometry, shard_shape, dtype):
+        return 0  # beside the slot's partial sums (counted), the touched rows': the batch's size
+
+    @classmethod
+    def _held_bytes(cls, geometry, shard_shape, dtype):
+        return 0  # the touched rows and their gradients
+
+    @classmethod
+    def unsupported(cls, spec, axis):
+        if axis != 1:
+            return f"{spec.name} is separable by rows"
+        if spec.kwargs.get("weight_decay", 0.0) != 0:
+            return (f"weight_decay={spec.kwargs['weight_decay']!r} decays every row under dense semantics and "
+                    "only the touched rows under lazy ones; its column-shard form is built without weight decay")
+        return None
+
+    def _check_settings(self):
+        self._touched: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, grads) between the halves
+
+    def _fresh_state(self, state):
+        state["step"] = torch.tensor(0.0)
+        state["sum"] = self.weight.new_full((self.weight.shape[0], 1), self.group.param_group["initial_accumulator_value"])
+
+    def partials(self, ids, grads, state, h):
+        if "sum" not in state:
+            self._fresh_state(state)
+        state["step"] += 1
+        self._touched = ids, grads
+        per_row = torch.zeros(self.geometry.table_shape[0], dtype=torch.float64)
+        return per_row.index_copy_(0, ids, grads.double().square().sum(1))
+
+    def complete(self, stats):
+        h, state = self.group.param_group, self._optimizer.state[self.weight]
+        ids, grads = self._touched
+        total = state["sum"]
+        total.index_add_(0, ids, (stats.index_select(0, ids) / self.geometry.table_shape[1]).to(total.dtype)[:, None])
+        std = total.index_select(0, ids).sqrt_().add_(h["eps"])
+        step_size = h["lr"] / (1 + (float(state["step"]) - 1) * h["lr_decay"])
+        self.weight.index_add_(0, ids, grads / std, alpha=-step_size)
+        self._touched = None
+
+
 class MuonTable(CrossShardOptimizer):
     """``torch.optim.Muon``: momentum on each shard, then Newton-Schulz on the whole matrix.
 
@@ -646,7 +712,9 @@ class MuonTable(CrossShardOptimizer):
 
 # optimizer class -> its cross-shard implementation on a matrix, and on a vector (Muon, as
 # torch's, steps matrices only). Optional packages join once imported.
-CROSS_SHARD: dict[type, type[CrossShardOptimizer]] = {torch.optim.Adafactor: AdafactorTable, torch.optim.Muon: MuonTable}
+CROSS_SHARD: dict[type, type[CrossShardOptimizer]] = {
+    torch.optim.Adafactor: AdafactorTable, torch.optim.Muon: MuonTable, RowWiseAdagrad: RowWiseAdagradTable,
+}
 CROSS_SHARD_VECTOR: dict[type, type[CrossShardOptimizer]] = {torch.optim.Adafactor: AdafactorVector}
 _OPTIONAL = {  # (package, class name) -> (matrix form, vector form)
     ("pytorch_optimizer", "Lamb"): (LambTable, LambTable),

@@ -201,6 +201,9 @@ def decide(
         if choice.fused and device_type == "cpu" and any(0 in size for size in shard_sizes):
             choice = KernelChoice(False, reason="a shard with no rows: FBGEMM's CPU kernel cannot hold an empty table")
         cross_shard = _check_separable(table, group, sharding_type, shard_offsets)
+        if cross_shard and choice.fused:  # FBGEMM would step each shard on its own statistics
+            choice = KernelChoice(False, reason=f"{sharding_type}: FBGEMM would keep a statistic per shard, where "
+                                                "the whole table has one; the fallback carries it across shards")
     spec = None if group is None else group.spec
     kind = kernel_kind(spec, choice, sharding_type, frozen=frozen, cross_shard=cross_shard,
                        dense_requested=table in dense)
@@ -275,15 +278,17 @@ def _check_separable(table: str, group: AnnotationGroup, sharding_type: str, off
     for axis, what, separable in ((0, "row", spec.row_separable), (1, "column", spec.column_separable)):
         if separable or len({o[axis] for o in offsets}) <= 1:
             continue
-        if cross_shard_class(spec.optimizer_class) is not None:
+        implementation = cross_shard_class(spec.optimizer_class)
+        why = "it has no cross-shard form" if implementation is None else implementation.unsupported(spec, axis)
+        if why is None:
             return True
         works = ["table_wise", "data_parallel"]
         works += list(ROW_SPLITTING) if spec.row_separable else []
         works += list(COLUMN_SPLITTING) if spec.column_separable else []
         raise ValueError(
             f"table {table!r}: {spec.name}'s update is not separable by {what}s (stepping {what} pieces "
-            f"apart differs from stepping the whole table), and {sharding_type} sharding splits "
-            f"this table into {what} shards; use {', '.join(works)} for this table"
+            f"apart differs from stepping the whole table), {sharding_type} sharding splits "
+            f"this table into {what} shards, and {why}; use {', '.join(works)} for this table"
         )
     return False
 

@@ -77,11 +77,13 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(
         "not_separable",
         "a table split into column (row) shards whose optimizer's update is not separable by columns "
-        "(rows) and has no cross-shard form: torchrec's RowWiseAdagrad on column_wise or table_column_wise",
+        "(rows) and has no cross-shard form: pytorch-optimizer's AdamP, and torchrec's RowWiseAdagrad with "
+        "weight_decay on column_wise or table_column_wise",
         "shard",
-        "its per-row statistic spans the columns that the shards split: stepping each shard alone "
-        "differs from stepping the whole table",
-        "table_wise, row_wise, table_row_wise or data_parallel for that table",
+        "its update reads statistics of the whole matrix (AdamP), or weight decay makes lazy and dense "
+        "semantics differ where the cross-shard form of RowWiseAdagrad is built for the rows a batch touched",
+        "table_wise or data_parallel for that table (for RowWiseAdagrad, row_wise or table_row_wise too, or no "
+        "weight_decay)",
         r"is not separable by (rows|columns)",
     ),
     Refusal(

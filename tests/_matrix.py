@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import io
 import os
 import tempfile
@@ -52,6 +53,9 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, Any], bool, str | None]] = {
     "adagrad": ("torch.optim.Adagrad", {"lr": 0.1, "eps": 1e-8}, False, "torch.optim.Adagrad"),
     "rowwise_adagrad": ("torchrec.optim.rowwise_adagrad.RowWiseAdagrad", {"lr": 0.1}, False,
                         "torchrec.optim.rowwise_adagrad.RowWiseAdagrad"),
+    # decays every row under dense semantics, the touched ones under lazy: no lazy reference
+    "rowwise_adagrad_wd": ("torchrec.optim.rowwise_adagrad.RowWiseAdagrad", {"lr": 0.1, "weight_decay": 0.05}, False,
+                           None),
     # eps=1e-12: SparseAdam, the lazy reference, places eps outside the bias correction
     "adam": ("torch.optim.Adam", {"lr": 0.05, "eps": 1e-12}, False, "torch.optim.SparseAdam"),
     "adamw": ("torch.optim.AdamW", {"lr": 0.05, "weight_decay": 0.1}, False, None),
@@ -118,7 +122,9 @@ class Config:
     clip: tuple[str, str] | None = None  # ("norm" | "value", "tables" | "everything")
     micro: int = 1  # micro-batches per step (the first ones in no_step)
     schedule: bool = False  # a LambdaLR through get_optimizers, the same on each reference optimizer
-    checkpoint: str | None = None  # "in_place", "torch_save", "other_plan", mid-run
+    # mid-run: "in_place", "torch_save", "other_plan", or "one_rank" (overlap_optim.checkpoint, loaded
+    # into the model sharded for one rank, which trains on with the global batch)
+    checkpoint: str | None = None
     # built and annotated on the meta device, then "dmp": handed to DMP as it is; "materialize":
     # overlap_optim.materialize(model, "cpu") first; "to_empty": Module.to_empty(device="cpu") first
     meta: str | None = None
@@ -371,7 +377,7 @@ def _sharding_types(config: Config, other_plan: bool) -> dict[str, str]:
         new = out.get(t.name, swap.get(t.sharding, t.sharding))
         if not t.bagged and new not in EC_SHARDING_TYPES:
             new = "table_wise"
-        if t.optimizer == "rowwise_adagrad" and new in ("column_wise", "table_column_wise"):
+        if t.optimizer == "rowwise_adagrad_wd" and new in ("column_wise", "table_column_wise"):
             new = "table_wise"
         out[t.name] = new
     return out
@@ -575,13 +581,17 @@ def _unchanged(before: dict[str, Any], model: nn.Module) -> bool:
     )
 
 
-def run(rank: int, world_size: int, config: Config, directory: str) -> dict[str, Any]:
+def run(rank: int, world_size: int, config: Config, directory: str, resume: bool = False) -> dict[str, Any]:
     """Train ``config`` sharded and as the reference, side by side; compare after every step.
 
     Returns ``{"outcome": "exact", "diffs": {table or "dense": [max diff per step]}, "moved":
     {...}, "noise": {table: how far the float32 reference is from the same in float64}}``, or ``{"outcome": "refused", "stage": ..., "error": "Type: message", "unchanged":
     bool}`` for a ValueError, TypeError or NotImplementedError raised at annotation, sharding or
     the first step (anything else propagates: a crash is a failure).
+
+    With ``checkpoint="one_rank"`` the run saves mid-run (``overlap_optim.checkpoint``) and returns
+    ``"resume": True``; ``resume=True`` (on one rank) then replays the reference to that step, loads
+    the checkpoint into a model sharded for one rank, and trains on with the global batch.
     """
     torch.manual_seed(config.seed)
     weights = {t.key: torch.randn(t.rows, DIM) for t in config.tables}
@@ -597,25 +607,34 @@ def run(rank: int, world_size: int, config: Config, directory: str) -> dict[str,
 
     def micro_batches(step: int) -> list[list[dict[str, Any]]]:
         generator = torch.Generator().manual_seed(1000 * config.seed + 10 * step)
-        return [[make_batch(config, generator) for _ in range(world_size)] for _ in range(config.micro)]
+        return [[make_batch(config, generator) for _ in range(config.world_size)] for _ in range(config.micro)]
 
     bound = None
     if config.clip is not None:
         bound = reference.bound([global_batch(parts) for parts in micro_batches(0)])
-    try:
-        ours = Ours(config, weights, dense, bound)
-    except (ValueError, TypeError, NotImplementedError) as err:
-        return _refused("annotate", err, True)
-    before = _snapshot(ours.unsharded)
-    try:
-        ours.shard()
-    except (ValueError, TypeError, NotImplementedError) as err:
-        return _refused("shard", err, _unchanged(before, ours.unsharded))
+    middle = (config.steps - 1) // 2
     diffs: dict[str, list[float]] = {}
-    for step in range(config.steps):
+    if resume:
+        for step in range(middle + 1):
+            parts = micro_batches(step)
+            reference.step([global_batch(p) for p in parts], bound)
+            exact.step([_double(global_batch(p)) for p in parts], bound)
+        ours = _resumed_on_one_rank(config, weights, dense, bound, directory)
+        _compare(ours, reference, diffs)
+    else:
+        try:
+            ours = Ours(config, weights, dense, bound)
+        except (ValueError, TypeError, NotImplementedError) as err:
+            return _refused("annotate", err, True)
+        before = _snapshot(ours.unsharded)
+        try:
+            ours.shard()
+        except (ValueError, TypeError, NotImplementedError) as err:
+            return _refused("shard", err, _unchanged(before, ours.unsharded))
+    for step in range(middle + 1 if resume else 0, config.steps):
         parts = micro_batches(step)
         try:
-            ours.step([p[rank] for p in parts])
+            ours.step([global_batch(p) for p in parts] if resume else [p[rank] for p in parts])
         except (ValueError, TypeError, NotImplementedError) as err:
             if step == 0:
                 _compare(ours, reference, diffs)  # the reference has not stepped: all zero if nothing changed
@@ -631,11 +650,37 @@ def run(rank: int, world_size: int, config: Config, directory: str) -> dict[str,
                             for r, c, piece in ours.pieces(t) if piece.numel()] or [0.0])
             from_exact[t.key] = max(from_exact.get(t.key, 0.0), ours_gap)
         _compare(ours, reference, diffs)
-        if config.checkpoint is not None and step == (config.steps - 1) // 2:
+        if config.checkpoint == "one_rank" and step == middle and not resume:
+            _save_for_one_rank(ours, config, directory)
+            break
+        if config.checkpoint not in (None, "one_rank") and step == middle:
             ours = _checkpoint(ours, config, weights, dense, bound, directory)
             _compare(ours, reference, diffs)
     moved = {n: (p.detach() - start[n]).abs().max().item() for n, p in reference.model.named_parameters()}
-    return {"outcome": "exact", "diffs": diffs, "moved": moved, "noise": noise, "from_exact": from_exact}
+    return {"outcome": "exact", "diffs": diffs, "moved": moved, "noise": noise, "from_exact": from_exact,
+            "resume": config.checkpoint == "one_rank" and not resume}
+
+
+def _one_rank_directory(config: Config, directory: str) -> str:
+    return os.path.join(directory, "one_rank-" + hashlib.sha1(repr(config).encode()).hexdigest()[:10])
+
+
+def _save_for_one_rank(ours: Ours, config: Config, directory: str) -> None:
+    from overlap_optim import checkpoint
+
+    extra = {"scheduler": ours.schedulers[0]} if ours.schedulers else {}
+    checkpoint.save(_one_rank_directory(config, directory), ours.dmp, ours.keyed, {**extra, "step": 1})
+
+
+def _resumed_on_one_rank(config: Config, weights: dict[str, torch.Tensor], dense: nn.Module, bound: float | None,
+                         directory: str) -> Ours:
+    """A model sharded for this one rank, with the checkpoint that :func:`_save_for_one_rank` wrote."""
+    from overlap_optim import checkpoint
+
+    fresh = Ours(config, _scrambled(weights), _scrambled_dense(dense), bound).shard()
+    checkpoint.load(_one_rank_directory(config, directory), fresh.dmp, fresh.keyed,
+                    {"scheduler": fresh.schedulers[0]} if fresh.schedulers else {})
+    return fresh
 
 
 def _double(batch: dict[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,9 @@ FOUR = [("amsgrad", torch.optim.Adam, {"lr": 0.01, "amsgrad": True}),
         ("adamw", torch.optim.AdamW, {"lr": 0.01}),
         ("adafactor", torch.optim.Adafactor, {"lr": 0.01})]
 WIDE = [("rowwise", RowWiseAdagrad, {"lr": 0.1})]  # 4000 x 256: must be split under a small cap
-MODELS = {"four": (FOUR, 64), "wide": (WIDE, 256), "adafactor": (FOUR[3:], 64)}  # (tables, dim)
+WIDE_DECAYED = [("rowwise", RowWiseAdagrad, {"lr": 0.1, "weight_decay": 0.01})]  # no column-shard form
+MODELS = {"four": (FOUR, 64), "wide": (WIDE, 256), "adafactor": (FOUR[3:], 64),
+          "wide_decayed": (WIDE_DECAYED, 256)}  # (tables, dim)
 
 
 def _model(specs, dim):

@@ -249,11 +249,11 @@ def _accepted_on(case, sharding_type) -> bool:
     from overlap_optim.cross_shard import cross_shard_class
 
     spec = describe_optimizer(case[1], case[2])
-    if cross_shard_class(case[1]) is not None:
+    axis = 0 if sharding_type in ("row_wise", "table_row_wise") else 1 if sharding_type in COLUMN_SPLITTING else None
+    if axis is None or (spec.row_separable, spec.column_separable)[axis]:
         return True
-    if sharding_type in ("row_wise", "table_row_wise"):
-        return spec.row_separable
-    return spec.column_separable if sharding_type in COLUMN_SPLITTING else True
+    implementation = cross_shard_class(case[1])
+    return implementation is not None and implementation.unsupported(spec, axis) is None
 
 
 def _row_separable(case) -> bool:

@@ -70,7 +70,7 @@ def _expected_on(sharding_type, names):
     if sharding_type in ("column_wise", "row_wise"):
         expected -= REFUSED_WHEN_SPLIT
     if sharding_type == "column_wise":
-        expected -= {"rowwise_adagrad", "rowwise_adagrad_wd"}
+        expected -= {"rowwise_adagrad_wd"}  # without weight decay: across column shards in the round
     return expected
 
 

@@ -140,6 +140,7 @@ STEPPED = {  # cross-shard tables: (optimizer, kwargs, sharding type)
     "came/column_wise": (CAME, {"lr": 0.01}, "column_wise"),
     "lars/row_wise": (LARS, {"lr": 0.01}, "row_wise"),
     "muon/row_wise": (torch.optim.Muon, {"lr": 0.01}, "row_wise"),
+    "rowwise_adagrad/column_wise": (RowWiseAdagrad, {"lr": 0.01}, "column_wise"),
 }
 
 
@@ -173,5 +174,7 @@ def test_step_bytes_per_shard_are_the_peak_of_a_cross_shard_step(case):
     assert abs(counted - measured) <= 0.05 * shard_bytes, (case, counted, measured)
     if case == "adafactor/row_wise":
         assert measured < 0.05 * shard_bytes and counted < 0.05 * shard_bytes, (counted, measured)
+    if case == "rowwise_adagrad/column_wise":  # the round's row sums (3 float64 copies of R), no shard-sized buffer
+        assert counted == 3 * 8 * TABLE[0] and measured < 0.2 * shard_bytes, (counted, measured)
     if case.startswith("lamb"):
         assert counted >= 3 * shard_bytes, counted

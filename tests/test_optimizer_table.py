@@ -118,9 +118,11 @@ def test_sharding_refuses_closure_optimizers_annotated_through_torch(world_of_on
         sharder.shard(model.ebc, _plan_for(model, sharder)["ebc"], _env(), torch.device("cpu"))
 
 
-def test_sharding_refuses_rowwise_adagrad_split_into_column_shards(world_of_one):
-    with pytest.raises(ValueError, match="table 'rw': RowWiseAdagrad's update is not separable by columns .* use table_wise, data_parallel, row_wise, table_row_wise for this table"):
-        build(["rw"], [(RowWiseAdagrad, {"lr": 0.1})], "column_wise", 1)
+def test_sharding_refuses_rowwise_adagrad_with_weight_decay_split_into_column_shards(world_of_one):
+    with pytest.raises(ValueError, match="table 'rw': RowWiseAdagrad's update is not separable by columns .* and "
+                                         "weight_decay=0.01 decays every row under dense semantics .* use table_wise, "
+                                         "data_parallel, row_wise, table_row_wise for this table"):
+        build(["rw"], [(RowWiseAdagrad, {"lr": 0.1, "weight_decay": 0.01})], "column_wise", 1)
 
 
 def _plan_for(model, sharder):

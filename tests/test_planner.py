@@ -30,6 +30,7 @@ CASES = {
     "wide/0.9W": partial(capped, which="wide", cap=0.9),
     "wide/column_only": partial(capped, which="wide", cap=0.9, constraints={"rowwise": ["column_wise"]}),
     "adafactor/row_wise/1.1W": partial(capped, which="adafactor", cap=1.1, constraints={"adafactor": ["row_wise"]}),
+    "wide_decayed/column_only": partial(capped, which="wide_decayed", cap=0.9, constraints={"rowwise": ["column_wise"]}),
     **{f"dense/{cap}W": partial(with_dense, cap=cap) for cap in (7.0, 8.0)},
 }
 
@@ -70,14 +71,24 @@ def test_a_plan_that_fits_still_fits_after_a_step(ranks, case):
 
 
 @pytest.mark.parametrize("case", ["wide/0.9W"])
-def test_rowwise_adagrad_that_must_split_is_planned_row_wise(ranks, case):
+def test_rowwise_adagrad_that_must_split_is_planned_split(ranks, case):
+    """TorchRec's planner, offered every type, picks column_wise for this wide table: its row
+    statistic crosses the column shards in the round."""
     for out in ranks[case]:
         assert "error" not in out, out
-        assert out["types"]["rowwise"] in ("row_wise", "table_row_wise"), out["types"]
+        assert out["types"]["rowwise"] in ("row_wise", "table_row_wise", "column_wise", "table_column_wise"), out["types"]
         assert out["held"] <= 0.9
 
 
 @pytest.mark.parametrize("case", ["wide/column_only"])
+def test_rowwise_adagrad_on_column_shards_is_proposed_and_fits(ranks, case):
+    """Its row statistic travels across the column shards in the round: column_wise is a plan."""
+    for out in ranks[case]:
+        assert "error" not in out, out
+        assert out["types"]["rowwise"] == "column_wise" and out["held"] <= 0.9, out
+
+
+@pytest.mark.parametrize("case", ["wide_decayed/column_only"])
 def test_a_constraint_that_leaves_only_refused_types_is_refused_at_plan_time(ranks, case):
     for out in ranks[case]:
         assert out["error"].startswith("ValueError: no sharding option"), out
