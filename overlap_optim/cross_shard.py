@@ -635,7 +635,8 @@ class RowWiseAdagradTable(CrossShardOptimizer):
 
     def _fresh_state(self, state):
         state["step"] = torch.tensor(0.0)
-        state["sum"] = self.weight.new_full((self.weight.shape[0], 1), self.group.param_group["initial_accumulator_value"])
+        initial = self.group.param_group["initial_accumulator_value"]
+        state["sum"] = self.weight.new_full((self.weight.shape[0], 1), initial)
 
     def partials(self, ids, grads, state, h):
         if "sum" not in state:

@@ -30,10 +30,12 @@ CASES = {
     "wide/0.9W": partial(capped, which="wide", cap=0.9),
     "wide/column_only": partial(capped, which="wide", cap=0.9, constraints={"rowwise": ["column_wise"]}),
     "adafactor/row_wise/1.1W": partial(capped, which="adafactor", cap=1.1, constraints={"adafactor": ["row_wise"]}),
-    "wide_decayed/column_only": partial(capped, which="wide_decayed", cap=0.9, constraints={"rowwise": ["column_wise"]}),
+    "wide_decayed/column_only": partial(capped, which="wide_decayed", cap=0.9,
+                                        constraints={"rowwise": ["column_wise"]}),
     **{f"dense/{cap}W": partial(with_dense, cap=cap) for cap in (7.0, 8.0)},
 }
 
+SPLIT_TYPES = ("row_wise", "table_row_wise", "column_wise", "table_column_wise")
 SIZE_TYPES = ("data_parallel", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
 SIZES = {f"sizes/{st}": partial(state_sizes, cases=PARITY_CASES, sharding_type=st) for st in SIZE_TYPES}
 SIZES.update({f"sizes/ec/{st}": partial(state_sizes, cases=PARITY_CASES, sharding_type=st, collection="ec")
@@ -76,7 +78,7 @@ def test_rowwise_adagrad_that_must_split_is_planned_split(ranks, case):
     statistic crosses the column shards in the round."""
     for out in ranks[case]:
         assert "error" not in out, out
-        assert out["types"]["rowwise"] in ("row_wise", "table_row_wise", "column_wise", "table_column_wise"), out["types"]
+        assert out["types"]["rowwise"] in SPLIT_TYPES, out["types"]
         assert out["held"] <= 0.9
 
 

@@ -36,7 +36,8 @@ COLUMN_SPLITS = ("column_wise", "table_column_wise")
 
 # refusal name -> does ``config`` ask for it (read from the config alone, as the docs say it)
 PREDICATES = {
-    "not_separable": lambda c: any(t.optimizer == "rowwise_adagrad_wd" and t.sharding in COLUMN_SPLITS for t in c.tables),
+    "not_separable": lambda c: any(t.optimizer == "rowwise_adagrad_wd" and t.sharding in COLUMN_SPLITS
+                                   for t in c.tables),
     "clipped_user_table": lambda c: c.clip is not None and any(t.optimizer == "user" for t in c.tables),
     "clipped_unreduced_dense": lambda c: (c.clip is not None and c.clip[1] == "everything" and c.dense_part == "user_ddp"
                                           and c.world_size > 1),
