@@ -89,6 +89,7 @@ class CollectionSharder:
         *,
         fallback_tables: Iterable[str] = (),
         dense_tables: Iterable[str] = (),
+        variable_batch: bool = False,
         **kwargs: Any,
     ) -> None:
         """
@@ -98,6 +99,11 @@ class CollectionSharder:
             dense_tables: tables to run with dense semantics (in the fallback; see the module doc).
                 Both take table names, or names qualified by the collection's path (``"ebc_a.t0"``)
                 where two collections of the model have a table of that name.
+            variable_batch: the module will take batches with a variable batch size per feature
+                (VBE): each table runs where its update is exact on them (FBGEMM's fused SGD and
+                row-wise Adagrad unclipped, the fallback for the rest), and a table that no kernel
+                runs so (data-parallel, frozen, unannotated) is refused at sharding. Without it, a
+                VBE batch that reaches such a table is refused at its first lookup.
             **kwargs: TorchRec's other arguments.
 
         Raises:
@@ -109,6 +115,9 @@ class CollectionSharder:
                 raise TypeError(f"{option} takes table names, got the string {names!r}")
         self.fallback_tables = frozenset(fallback_tables)
         self.dense_tables = frozenset(dense_tables)
+        if not isinstance(variable_batch, bool):
+            raise TypeError(f"variable_batch takes True or False, got {variable_batch!r}")
+        self.variable_batch = variable_batch
         optimizer_keys = sorted(set(fused_params or {}) & {"optimizer", "learning_rate", "eps", "weight_decay"})
         if optimizer_keys:
             raise ValueError(
@@ -169,7 +178,7 @@ class CollectionSharder:
         )
         _build(context)
         self.adapt_kernels(sharded)
-        install_settings_check(sharded, tables, context.accumulation)
+        install_settings_check(sharded, tables, context.accumulation, env.process_group)
         state = ShardedTables(_private.sharded_weights(sharded), tables, env.process_group, self.tables_attr)
         data_parallel = tuple(m for m in _private.lookups(sharded) if isinstance(m, DistributedDataParallel))
         plans.install_plan(
@@ -203,6 +212,7 @@ class CollectionSharder:
                 [list(s.shard_offsets) for s in shards], sharding.compute_kernel,
                 (config.num_embeddings, config.embedding_dim), device_type, torch_made,
                 pinned=pinned, dense=dense, shard_sizes=[list(s.shard_sizes) for s in shards],
+                variable_batch=self.variable_batch,
             )
         if _private.model_being_sharded() is None:  # else check_model checked the names across modules
             for option in ("fallback_tables", "dense_tables"):
@@ -215,7 +225,16 @@ class CollectionSharder:
                 f"dense_tables names tables with no in-backward optimizer: {unannotated}; their gradient "
                 "goes to your own optimizer, which decides their semantics"
             )
-        return {name: kernel_class(d.kind)(d) for name, d in decisions.items()}
+        kernels = {name: kernel_class(d.kind)(d) for name, d in decisions.items()}
+        if self.variable_batch:
+            refused = {n: why for n, k in kernels.items() if (why := k.why_no_variable_batch()) is not None}
+            if refused:
+                raise ValueError(
+                    f"variable_batch=True, and the module {path or '(root)'!r} has tables that no kernel runs exactly "
+                    f"on a variable batch size per feature: {refused}; annotate each with an optimizer on a "
+                    "model-parallel sharding type (table_wise, row_wise, column_wise...)"
+                )
+        return kernels
 
     @contextlib.contextmanager
     def _translated_annotations(self, module: nn.Module, tables: dict[str, TableKernel]) -> Iterator[None]:

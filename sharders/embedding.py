@@ -53,6 +53,11 @@ class EmbeddingCollectionSharder(CollectionSharder, _TorchRecSharder):
         return module.embedding_configs()
 
     def check_options(self, device_type: str) -> None:
+        if self.variable_batch:
+            raise NotImplementedError(
+                "EmbeddingCollectionSharder(variable_batch=True): batches with a variable batch size per feature "
+                "are built for EmbeddingBagCollections here; leave variable_batch off for an EmbeddingCollection"
+            )
         if self._use_index_dedup and device_type == "cpu":
             raise NotImplementedError(
                 "EmbeddingCollectionSharder(use_index_dedup=True) on CPU: TorchRec deduplicates ids with "

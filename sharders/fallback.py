@@ -31,7 +31,7 @@ from overlap_optim.clipping import GradientClipping
 from overlap_optim.update import DenseTableOptimizer, RowOptimizer, TableOptimizer, step_tables, step_touched, sum_rows
 from sharders import _private
 from sharders.kernels import Accumulation, BuildContext, KernelKind, LocalShard, TableKernel
-from sharders.pooling import is_pooled, unpooled_lookup, value_grads
+from sharders.pooling import is_pooled, unpooled_lookup, value_grads, variable_batch_lookup
 
 __all__ = [
     "RowUpdates", "FallbackEmbeddingBag", "FallbackEmbedding", "FallbackOptimizer", "FallbackTable", "LazyTable",
@@ -88,6 +88,9 @@ class FallbackTable(TableKernel):
 
     def check_live(self) -> None:
         self.group.spec.check_live(self.group.param_group, f"table {self.table!r}")
+
+    def why_no_variable_batch(self) -> str | None:
+        return None  # the pooled lookup takes FBGEMM's VBE layout; its gradient is read back per bag
 
     def state_layout(self) -> dict[str, str]:
         spec = self.group.spec
@@ -193,8 +196,10 @@ class RowUpdates:
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         tables = [t.name for t in self.kernel.config.embedding_tables]
-        if features.variable_stride_per_key():
-            raise NotImplementedError(f"fallback tables {tables}: variable batch size per feature is not supported")
+        batches = features.stride_per_key_per_rank() if features.variable_stride_per_key() else None
+        if batches is not None and not is_pooled(self.pooling_mode):
+            raise NotImplementedError(f"fallback tables {tables}: variable batch size per feature is not supported "
+                                      "for an EmbeddingCollection")
         weights = features.weights_or_none()
         if weights is not None and not torch.is_floating_point(weights):
             weights = None
@@ -204,18 +209,26 @@ class RowUpdates:
             )
         indices = features.values().to(self.layout.index_dtype)
         offsets = features.offsets().to(self.layout.offset_dtype)
-        return _LookupThenUpdate.apply(self.anchor, self, indices, offsets, weights)
+        return _LookupThenUpdate.apply(self.anchor, self, indices, offsets, weights, batches)
 
-    def lookup(self, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-        """The kernel's output for a batch, pooled or not (:mod:`sharders.pooling`)."""
+    def lookup(
+        self, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
+        batches: list[list[int]] | None = None,
+    ) -> torch.Tensor:
+        """The kernel's output for a batch, pooled or not (:mod:`sharders.pooling`); with
+        ``batches`` (each feature's bags per rank: VBE), FBGEMM's flat VBE layout."""
         emb = self.kernel.emb_module
+        if batches is not None:
+            return variable_batch_lookup(emb.split_embedding_weights(), self.layout.feature_table_map, indices,
+                                         offsets, weights, batches, self.pooling_mode)
         if is_pooled(self.pooling_mode):
             return emb(indices=indices, offsets=offsets, per_sample_weights=weights)
         return unpooled_lookup(emb.split_embedding_weights(), self.layout.feature_table_map, indices, offsets)
 
     @torch.no_grad()
     def update_rows(
-        self, grad_out: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None
+        self, grad_out: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
+        batches: list[list[int]] | None = None,
     ) -> None:
         """Sum the gradient of every touched row of every table, then step each table once
         (after clipping the sums, in a clipping set). Inside ``no_step`` the sums are kept
@@ -228,7 +241,7 @@ class RowUpdates:
         compiled pass (:mod:`overlap_optim.row_pass`) sums its repeated ids as it goes."""
         dims = [r.weight.shape[1] for r in self.row_optimizers]
         features = value_grads(
-            self.pooling_mode, self.layout.feature_table_map, dims, grad_out, indices, offsets, weights
+            self.pooling_mode, self.layout.feature_table_map, dims, grad_out, indices, offsets, weights, batches
         )
         touched = self._row_grads(features, indices, grad_out)
         if self.accumulation.active or self.clipping is not None:
@@ -342,13 +355,13 @@ class _RowState(Mapping):
 
 class _LookupThenUpdate(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, anchor, updates, indices, offsets, weights):
-        ctx.updates, ctx.weights = updates, weights
+    def forward(ctx, anchor, updates, indices, offsets, weights, batches):
+        ctx.updates, ctx.weights, ctx.batches = updates, weights, batches
         ctx.save_for_backward(indices, offsets)
-        return updates.lookup(indices, offsets, weights)
+        return updates.lookup(indices, offsets, weights, batches)
 
     @staticmethod
     def backward(ctx, grad_out):
         indices, offsets = ctx.saved_tensors
-        ctx.updates.update_rows(grad_out.contiguous(), indices, offsets, ctx.weights)
-        return None, None, None, None, None
+        ctx.updates.update_rows(grad_out.contiguous(), indices, offsets, ctx.weights, ctx.batches)
+        return None, None, None, None, None, None

@@ -34,12 +34,10 @@ from torch import nn
 from overlap_optim.spec import AnnotationGroup
 from sharders.fused_backward import HeldBackward
 from sharders.kernels import BuildContext, KernelChoice, KernelKind, LocalShard, TableKernel
-from sharders.optimizer_table import choose_kernel
+from sharders.optimizer_table import VARIABLE_BATCH_OPTIMIZERS, choose_kernel
 
 __all__ = ["FUSED_ROW_STATE", "FusedTable", "FusedShardState", "live_choice"]
 
-# The fused kernels FBGEMM runs with a variable batch size per feature (VBE): its TBE asserts it.
-VARIABLE_BATCH_OPTIMIZERS = frozenset({EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD})
 
 # Per-row state of each fused kernel type: torch.optim name -> row-wise (one value per row)?
 FUSED_ROW_STATE = {

@@ -27,29 +27,38 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from sharders import _private
-from sharders.kernels import Accumulation, TableKernel
+from sharders.kernels import ROW_SPLITTING, Accumulation, TableKernel
 
 __all__ = ["install_settings_check"]
 
-# What runs a variable batch size per feature (VBE) exactly: FBGEMM's own fused kernels.
+# What runs a variable batch size per feature (VBE) exactly: FBGEMM's fused SGD and row-wise Adagrad,
+# and the fallback, on a model-parallel sharding type.
 VARIABLE_BATCH_ROUTE = (
-    "annotate the module's tables with SGD or torchrec's RowWiseAdagrad on a model-parallel sharding type, "
-    "without gradient clipping or no_step, or send batches with one batch size for every feature"
+    "declare it with EmbeddingBagCollectionSharder(variable_batch=True), which runs every annotated table on a "
+    "model-parallel sharding type where VBE is exact (FBGEMM's fused SGD and RowWiseAdagrad unclipped, the "
+    "fallback for the rest) and refuses the others by name when sharding; keep VBE batches out of no_step; or "
+    "send batches with one batch size for every feature"
 )
 
 
-def install_settings_check(sharded: nn.Module, tables: dict[str, TableKernel], accumulation: Accumulation) -> None:
+def install_settings_check(
+    sharded: nn.Module, tables: dict[str, TableKernel], accumulation: Accumulation, process_group: Any = None
+) -> None:
     """Check every table kernel's live settings before ``sharded``'s first lookup, on every rank;
-    a batch with a variable batch size per feature (VBE) too, against every table of the module."""
+    a batch with a variable batch size per feature (VBE) too, against every table of the module,
+    and, on gloo, before each row-split lookup, against its ranks' batch sizes."""
     kernels = list(tables.values())
     clips = list({id(k.clip): k.clip for k in kernels if k.clip is not None}.values())
     lookups = _private.lookups(sharded)
     if not lookups:
         return
+    if process_group is not None and dist.get_backend(process_group) == "gloo":
+        _check_row_split_batches(sharded, tables)
 
     def check(_lookup: Any, inputs: Any) -> None:
         for kernel in kernels:
@@ -60,6 +69,37 @@ def install_settings_check(sharded: nn.Module, tables: dict[str, TableKernel], a
             clip.check_members()
 
     lookups[0].register_forward_pre_hook(check)
+
+
+def _check_row_split_batches(sharded: nn.Module, tables: dict[str, TableKernel]) -> None:
+    """Refuse, on every rank alike, a VBE batch whose ranks give a feature of a row-split table
+    different batch sizes: TorchRec's row-wise output reduce-scatter gathers its uneven pieces in
+    backward with ``all_gather``, which gloo cannot (``ProcessGroupGloo::allgather: invalid tensor
+    size``), after every rank has run its forward. Every rank's row-split lookup sees every rank's
+    batch sizes of its features, so every rank decides alike."""
+    row_split = {}
+    for lookup, kernel in _private.kernels_of(sharded):
+        names = [t.name for t in kernel.config.embedding_tables]
+        if any(tables[n].decision.sharding_type in ROW_SPLITTING for n in names if n in tables):
+            row_split.setdefault(id(lookup), (lookup, []))[1].extend(names)
+
+    def check(names: list[str], inputs: Any) -> None:
+        features = inputs[0] if inputs and isinstance(inputs[0], KeyedJaggedTensor) else None
+        if features is None or not features.variable_stride_per_key():
+            return
+        uneven = {k: s for k, s in zip(features.keys(), features.stride_per_key_per_rank()) if len(set(s)) > 1}
+        if uneven:
+            why = f"row-split, and the ranks send its features different batch sizes {uneven}"
+            raise NotImplementedError(
+                "a batch with a variable batch size per feature (VBE) reached tables that cannot take it: "
+                f"{dict.fromkeys(names, why)}; TorchRec's row-wise output reduce-scatter gathers uneven pieces in "
+                "backward, which gloo cannot: "
+                "on gloo, send each feature the same batch size from every rank, or shard these tables table_wise "
+                "or column_wise"
+            )
+
+    for lookup, names in row_split.values():
+        lookup.register_forward_pre_hook(lambda _m, inputs, names=names: check(names, inputs))
 
 
 def _check_variable_batch(kernels: list[TableKernel], accumulation: Accumulation) -> None:

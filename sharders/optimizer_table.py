@@ -87,6 +87,10 @@ def _rowwise_adagrad(s: dict[str, Any], device: str) -> KernelChoice:
     return KernelChoice(True, kwargs)
 
 
+# The fused kernels FBGEMM runs with a variable batch size per feature (VBE): its TBE asserts it.
+VARIABLE_BATCH_OPTIMIZERS = frozenset({EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD})
+
+
 _Rule = Callable[[dict[str, Any], str], KernelChoice]
 
 # device type -> optimizer class -> rule. A class missing here goes to the fallback.
@@ -170,6 +174,7 @@ def decide(
     pinned: frozenset[str] = frozenset(),
     dense: frozenset[str] = frozenset(),
     shard_sizes: list[list[int]] = (),
+    variable_batch: bool = False,
 ) -> TableDecision:
     """Where ``table`` runs, from its (unsharded) ``weight``'s annotation and its sharding.
 
@@ -180,6 +185,9 @@ def decide(
         pinned: tables named in ``fallback_tables``; ``dense``: in ``dense_tables``.
         shard_sizes: the ``[rows, cols]`` of each shard; a shard with none of either keeps the
             table out of FBGEMM's CPU kernel, which refuses an empty table.
+        variable_batch: the module takes batches with a variable batch size per feature (VBE):
+            a table whose fused kernel cannot run them (FBGEMM's Adagrad; a clipped table, whose
+            backward is held) runs in the fallback, which can.
 
     Raises:
         ValueError: the table is split along an axis its optimizer is not separable by and
@@ -197,7 +205,7 @@ def decide(
         choice = KernelChoice(False, reason="frozen: requires_grad=False" if frozen else "no annotation")
         _check_unannotated_clip(table, clip)
     else:
-        choice = _choice(table, group, compute_kernel, device_type, pinned, dense, clip)
+        choice = _choice(table, group, compute_kernel, device_type, pinned, dense, clip, variable_batch)
         if choice.fused and device_type == "cpu" and any(0 in size for size in shard_sizes):
             choice = KernelChoice(False, reason="a shard with no rows: FBGEMM's CPU kernel cannot hold an empty table")
         cross_shard = _check_separable(table, group, sharding_type, shard_offsets)
@@ -246,7 +254,7 @@ def _check_unannotated_clip(table: str, clip: GradientClipping | None) -> None:
 
 def _choice(
     table: str, group: AnnotationGroup, compute_kernel: str, device_type: str, pinned: frozenset[str],
-    dense: frozenset[str], clip: GradientClipping | None = None,
+    dense: frozenset[str], clip: GradientClipping | None = None, variable_batch: bool = False,
 ) -> KernelChoice:
     """FBGEMM's translation, unless the user, the plan or gradient clipping keeps the table out
     of the fused kernel."""
@@ -266,6 +274,12 @@ def _choice(
         return KernelChoice(False, reason="pinned to the fallback (fallback_tables)")
     if choice.fused and compute_kernel == "dense":
         return KernelChoice(False, reason="the plan gives it compute kernel 'dense'")
+    if choice.fused and variable_batch and choice.fbgemm_kwargs["optimizer"] not in VARIABLE_BATCH_OPTIMIZERS:
+        return KernelChoice(False, reason=f"variable_batch=True: FBGEMM's {choice.fbgemm_kwargs['optimizer'].name} "
+                                          "kernel has no variable-batch backward")
+    if choice.fused and variable_batch and clip is not None:
+        return KernelChoice(False, reason="variable_batch=True: a clipped fused table holds FBGEMM's backward, "
+                                          "which has no variable-batch form")
     return choice
 
 

@@ -167,10 +167,13 @@ class FittingEnumerator(EmbeddingEnumerator):
                 pinned=sharder.named_in("fallback_tables", path, [option.name]),
                 dense=sharder.named_in("dense_tables", path, [option.name]),
                 shard_sizes=[list(s.size) for s in option.shards],
+                variable_batch=sharder.variable_batch,
             )
         except (ValueError, NotImplementedError) as err:
             return str(err)
         kernel = kernel_class(decision.kind)(decision)
+        if sharder.variable_batch and kernel.why_no_variable_batch() is not None:
+            return f"variable_batch=True: {kernel.why_no_variable_batch()}"
         if option.compute_kernel not in kernel.plan_kernels:
             return (f"compute kernel {option.compute_kernel}: the table runs as {kernel.runs_as()}, in "
                     f"{kernel.kernel_for('fused') or 'dense'}, which the sharder would put there instead")

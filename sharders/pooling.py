@@ -25,7 +25,11 @@ from collections.abc import Iterator
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 
-__all__ = ["is_pooled", "feature_spans", "table_views", "unpooled_lookup", "value_grads", "concatenate_lookups", "Lookup"]
+__all__ = [
+    "is_pooled", "feature_spans", "table_views", "unpooled_lookup", "value_grads", "variable_batch_lookup",
+    "variable_batch_grads",
+    "concatenate_lookups", "Lookup",
+]
 
 Lookup = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # indices, offsets, per-sample weights
 
@@ -70,9 +74,16 @@ def value_grads(
     indices: torch.Tensor,
     offsets: torch.Tensor,
     weights: torch.Tensor | None,
+    batches: list[list[int]] | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
     """Per feature: (its ids, the gradient each id's row gets from this lookup, its table index).
-    ``dims``: each table's width."""
+    ``dims``: each table's width. ``batches``: for a batch with a variable batch size per feature
+    (VBE, pooled), each feature's number of bags from each rank (``stride_per_key_per_rank``);
+    ``grad_out`` is then FBGEMM's flat VBE output layout (:func:`variable_batch_grads`)."""
+    if batches is not None:
+        yield from _variable_batch_value_grads(pooling_mode, feature_table_map, dims, grad_out, indices, offsets,
+                                               weights, batches)
+        return
     features = len(feature_table_map)
     batch = (offsets.numel() - 1) // features
     if batch == 0:
@@ -94,6 +105,73 @@ def value_grads(
         if pooling_mode == PoolingMode.MEAN:
             grads = grads / lengths[f * batch + samples].clamp(min=1)[:, None]
         column += dim
+        yield indices[start:end], grads, table
+
+
+def variable_batch_lookup(
+    tables: list[torch.Tensor], feature_table_map: list[int], indices: torch.Tensor, offsets: torch.Tensor,
+    weights: torch.Tensor | None, batches: list[list[int]], pooling_mode: PoolingMode,
+) -> torch.Tensor:
+    """FBGEMM's flat VBE output of a pooled lookup (rank after rank, feature after feature, each
+    feature's bags from that rank), from ``tables`` (each table's ``(rows, dim)`` weight).
+    FBGEMM's dense TBE on CPU ignores ``batch_size_per_feature_per_rank`` (it returns
+    ``[bags / features, sum of dims]``), so the fallback pools each feature itself."""
+    lengths = offsets[1:] - offsets[:-1]
+    bag_of_value = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)
+    pooled, first_bag = [], 0
+    for f, table in enumerate(feature_table_map):
+        bags = sum(batches[f])
+        start, end = int(offsets[first_bag]), int(offsets[first_bag + bags])
+        rows = tables[table].index_select(0, indices[start:end].long())
+        if weights is not None:
+            rows = rows * weights[start:end, None]
+        sums = rows.new_zeros(bags, rows.shape[1]).index_add_(0, bag_of_value[start:end] - first_bag, rows)
+        if pooling_mode == PoolingMode.MEAN:
+            sums /= lengths[first_bag : first_bag + bags].clamp(min=1)[:, None]
+        pooled.append(sums)
+        first_bag += bags
+    parts, row = [], [0] * len(pooled)
+    for rank in range(len(batches[0]) if batches else 0):
+        for f, per_rank in enumerate(batches):
+            parts.append(pooled[f][row[f] : row[f] + per_rank[rank]].reshape(-1))
+            row[f] += per_rank[rank]
+    return torch.cat(parts) if parts else indices.new_zeros(0, dtype=torch.float32)
+
+
+def variable_batch_grads(grad_out: torch.Tensor, batches: list[list[int]], dims: list[int]) -> list[torch.Tensor]:
+    """Each feature's ``[bags, dim]`` block of FBGEMM's flat VBE output (or its gradient): rank
+    after rank, and within a rank feature after feature, ``batches[f][r]`` rows of ``dims[f]``.
+    A feature's bags come out rank after rank, as in the lookup's offsets."""
+    blocks: list[list[torch.Tensor]] = [[] for _ in batches]
+    start = 0
+    for rank in range(len(batches[0]) if batches else 0):
+        for f, per_rank in enumerate(batches):
+            size = per_rank[rank] * dims[f]
+            blocks[f].append(grad_out[start : start + size].view(per_rank[rank], dims[f]))
+            start += size
+    assert start == grad_out.numel(), f"a VBE output of {grad_out.numel()} values for {start}"
+    return [torch.cat(b) if len(b) > 1 else b[0] for b in blocks]
+
+
+def _variable_batch_value_grads(
+    pooling_mode: PoolingMode, feature_table_map: list[int], dims: list[int], grad_out: torch.Tensor,
+    indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, batches: list[list[int]],
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+    assert is_pooled(pooling_mode), "a VBE lookup is pooled"
+    per_feature = variable_batch_grads(grad_out, batches, [dims[t] for t in feature_table_map])
+    lengths = offsets[1:] - offsets[:-1]
+    bag_of_value = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)
+    first_bag = 0
+    for f, table in enumerate(feature_table_map):
+        bags = sum(batches[f])
+        start, end = int(offsets[first_bag]), int(offsets[first_bag + bags])
+        bag = bag_of_value[start:end]
+        grads = per_feature[f].index_select(0, bag - first_bag)
+        if weights is not None:
+            grads = grads * weights[start:end, None]
+        if pooling_mode == PoolingMode.MEAN:
+            grads = grads / lengths[bag].clamp(min=1)[:, None]
+        first_bag += bags
         yield indices[start:end], grads, table
 
 

@@ -105,16 +105,17 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "variable_batch",
-        "a batch with a variable batch size per feature (VBE) for a module with a table that FBGEMM's fused "
-        "SGD or row-wise Adagrad does not run: fallback, cross-shard and data-parallel tables, fused Adagrad, "
-        "a clipped table, a micro-batch inside no_step",
-        "first step",
-        "FBGEMM's variable-batch backward exists for those two kernels only, and cannot be held for a norm or "
-        "a window; our fallback has no variable-batch lookup yet",
-        "SGD or RowWiseAdagrad on table_wise, row_wise or column_wise, without clipping or no_step, for a module "
-        "that takes VBE batches",
-        r"variable batch size per feature \(VBE\) reached tables that cannot take it",
-        sampled=False,
+        "a batch with a variable batch size per feature (VBE) for an EBC with a data-parallel, frozen or "
+        "unannotated table, or inside no_step; without variable_batch=True also a fused Adagrad or clipped fused "
+        "table",
+        "first step, or shard with variable_batch=True",
+        "FBGEMM's dense TBE on CPU ignores the batch sizes per feature (TorchRec's data-parallel and unannotated "
+        "lookups), FBGEMM's variable-batch backward exists for SGD and row-wise Adagrad only and cannot be held "
+        "for a norm, and a no_step window concatenates micro-batches of one batch size",
+        "EmbeddingBagCollectionSharder(variable_batch=True) with every table annotated on a model-parallel "
+        "sharding type: fused SGD and RowWiseAdagrad where they can, the fallback for the rest",
+        r"variable batch size per feature \(VBE\) reached tables that cannot take it|variable_batch=True(, and "
+        r"the module .* has tables that no kernel runs exactly|: it runs as)",
     ),
     Refusal(
         "ambiguous_table_option",

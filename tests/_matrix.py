@@ -5,8 +5,8 @@ do not divide by the world size, a sharding type, an optimizer or none or frozen
 semantics, pooling, a table shared by two features, weighted features), the batches (every row
 touched, or a third of the rows), the dense part (our DDP hook, or the user's optimizer), and the
 loop (clipping by norm or by value over a set, ``no_step`` micro-batches, a scheduler, a
-checkpoint mid-run in one of the forms users write), a model built on the meta device, on 1 or 2
-ranks.
+checkpoint mid-run in one of the forms users write), a model built on the meta device, batches
+with a variable batch size per feature (VBE), on 1 or 2 ranks.
 
 :func:`run` (a rank body, spawned) builds the reference **from the config alone**, with plain
 ``nn.EmbeddingBag``, ``nn.Embedding`` and ``torch.optim`` (or the optimizer's own package) in one
@@ -29,6 +29,7 @@ import hashlib
 import io
 import os
 import tempfile
+import zlib
 from typing import Any
 
 import torch
@@ -128,6 +129,10 @@ class Config:
     # built and annotated on the meta device, then "dmp": handed to DMP as it is; "materialize":
     # overlap_optim.materialize(model, "cpu") first; "to_empty": Module.to_empty(device="cpu") first
     meta: str | None = None
+    # each feature of the EBCs with its own number of bags per rank, expanded to the batch by inverse
+    # indices (VBE), under EmbeddingBagCollectionSharder(variable_batch=True); the reference sees the
+    # expanded batch
+    vbe: bool = False
     steps: int = 3
     seed: int = 0
 
@@ -232,13 +237,20 @@ def _position_weighted(lengths: torch.Tensor, values: torch.Tensor) -> torch.Ten
 
 def make_batch(config: Config, generator: torch.Generator) -> dict[str, Any]:
     """One rank's micro-batch: feature -> (lengths, ids, weights or None), and the targets. With
-    ``cover``, sample 0 holds every row; else every id is in the first third of the rows."""
-    out: dict[str, Any] = {}
+    ``cover``, sample 0 holds every row; else every id is in the first third of the rows.
+
+    With ``vbe``, an EBC feature has 1 to BATCH distinct bags, each used by some sample:
+    ``out["vbe"][feature]`` is (bag lengths, ids, weights, each sample's bag), and ``out[feature]``
+    the same expanded to one bag per sample, which is what the reference sees."""
+    out: dict[str, Any] = {"vbe": {}}
     for t in config.tables:
+        vbe = config.vbe and t.bagged
         for feature in t.features:
+            # the same on every rank (on gloo, a row-split table is refused otherwise: tests/test_variable_batch.py)
+            bags = 1 + zlib.crc32(f"{config.seed}/{feature}".encode()) % BATCH if vbe else BATCH
             lengths, values = [], []
-            for sample in range(BATCH):
-                if config.cover and sample == 0:
+            for bag in range(bags):
+                if config.cover and bag == 0:
                     ids = torch.randperm(t.rows, generator=generator)
                 else:
                     high = t.rows if config.cover else max(1, t.rows // 3)
@@ -246,10 +258,16 @@ def make_batch(config: Config, generator: torch.Generator) -> dict[str, Any]:
                                         generator=generator)
                 lengths.append(ids.numel())
                 values.append(ids)
-            values = torch.cat(values)
             weighted = config.weighted and t.bagged
-            weights = torch.rand(values.numel(), generator=generator) + 0.5 if weighted else None
-            out[feature] = (torch.tensor(lengths), values, weights)
+            weights = [torch.rand(v.numel(), generator=generator) + 0.5 if weighted else None for v in values]
+            if vbe:  # every bag used, then the rest of the samples anywhere
+                inverse = torch.cat([torch.arange(bags), torch.randint(0, bags, (BATCH - bags,), generator=generator)])
+                inverse = inverse[torch.randperm(BATCH, generator=generator)]
+                out["vbe"][feature] = (torch.tensor(lengths), torch.cat(values),
+                                       torch.cat(weights) if weighted else None, inverse)
+                lengths, values, weights = [lengths[i] for i in inverse], [values[i] for i in inverse], \
+                    [weights[i] for i in inverse]
+            out[feature] = (torch.tensor(lengths), torch.cat(values), torch.cat(weights) if weighted else None)
     out["target"] = torch.randn(BATCH, generator=generator)
     return out
 
@@ -258,6 +276,16 @@ def global_batch(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """Every rank's samples, rank after rank."""
     out = {}
     for key in parts[0]:
+        if key == "vbe":  # each rank's bags after the previous rank's; samples point into their own rank's
+            out[key] = {}
+            for feature in parts[0][key]:
+                pieces, first = [], 0
+                for part in parts:
+                    lengths, values, weights, inverse = part[key][feature]
+                    pieces.append((lengths, values, weights, inverse + first))
+                    first += lengths.numel()
+                out[key][feature] = tuple(None if p[0] is None else torch.cat(p) for p in zip(*pieces))
+            continue
         if key == "target":
             out[key] = torch.cat([p[key] for p in parts])
             continue
@@ -272,6 +300,16 @@ def kjts(config: Config, batch: dict[str, Any]) -> dict[str, KeyedJaggedTensor]:
     out = {}
     for collection in config.collections():
         features = config.features(collection)
+        if config.vbe and collection != "ec":
+            parts = [batch["vbe"][f] for f in features]
+            weights = [p[2] for p in parts]
+            out[collection] = KeyedJaggedTensor(
+                keys=features, values=torch.cat([p[1] for p in parts]), lengths=torch.cat([p[0] for p in parts]),
+                weights=None if weights[0] is None else torch.cat(weights),
+                stride_per_key_per_rank=[[p[0].numel()] for p in parts],
+                inverse_indices=(features, torch.stack([p[3] for p in parts])),
+            )
+            continue
         weights = [batch[f][2] for f in features]
         out[collection] = (KeyedJaggedTensor.from_lengths_sync(
             keys=features, values=torch.cat([batch[f][1] for f in features]),
@@ -448,7 +486,8 @@ class Ours:
         sharder_list = []
         fused_params = dict(config.fused_params) or None
         if any(t.bagged for t in config.tables):
-            sharder_list.append(sharders.EmbeddingBagCollectionSharder(fused_params, dense_tables=dense_tables(True)))
+            sharder_list.append(sharders.EmbeddingBagCollectionSharder(fused_params, dense_tables=dense_tables(True),
+                                                                       variable_batch=config.vbe))
         if any(not t.bagged for t in config.tables):
             sharder_list.append(sharders.EmbeddingCollectionSharder(fused_params, dense_tables=dense_tables(False)))
         types = _sharding_types(config, self.other_plan)
@@ -686,7 +725,7 @@ def _resumed_on_one_rank(config: Config, weights: dict[str, torch.Tensor], dense
 def _double(batch: dict[str, Any]) -> dict[str, Any]:
     """A batch for the float64 reference."""
     return {k: v.double() if k == "target" else (v[0], v[1], None if v[2] is None else v[2].double())
-            for k, v in batch.items()}
+            for k, v in batch.items() if k != "vbe"}
 
 
 def _refused(stage: str, err: BaseException, unchanged: bool) -> dict[str, Any]:

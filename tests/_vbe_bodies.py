@@ -12,6 +12,8 @@ OPTIMIZERS = {
     "rowwise_adagrad": ("torchrec.optim.rowwise_adagrad.RowWiseAdagrad", {"lr": 0.1}),
     "adagrad": (torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-8}),
     "adam": (torch.optim.Adam, {"lr": 0.05}),
+    "lamb": ("pytorch_optimizer.Lamb", {"lr": 0.05, "weight_decay": 0.01}),  # cross-shard on split tables
+    "adafactor": (torch.optim.Adafactor, {"lr": 0.05}),
 }
 ROWS, DIM, BATCH = 8, 8, 4
 
@@ -23,12 +25,14 @@ def _class(value):
     return value
 
 
-def _batch(step: int, rank: int) -> tuple[KeyedJaggedTensor, torch.Tensor, list[tuple]]:
-    """This rank's VBE batch: feature f has 2 distinct bags, g has 3, expanded to BATCH samples by
-    inverse indices; the loss weights; and, per feature, (ids, offsets, inverse) for the reference."""
+def _batch(step: int, rank: int, uneven: bool = False) -> tuple[KeyedJaggedTensor, torch.Tensor, list[tuple]]:
+    """This rank's VBE batch: feature f has 2 distinct bags, g has 3 (``uneven``: on rank 1, 3 and
+    2), expanded to BATCH samples by inverse indices; the loss weights; and, per feature, (ids,
+    offsets, inverse) for the reference."""
     generator = torch.Generator().manual_seed(100 * step + rank)
     features, lengths, values = [], [], []
-    for bags in (2, 3):
+    counts = (3, 2) if uneven and rank == 1 else (2, 3)
+    for bags in counts:
         own = torch.randint(1, 4, (bags,), generator=generator)
         ids = torch.randint(0, ROWS, (int(own.sum()),), generator=generator)
         inverse = torch.randint(0, bags, (BATCH,), generator=generator)
@@ -36,16 +40,19 @@ def _batch(step: int, rank: int) -> tuple[KeyedJaggedTensor, torch.Tensor, list[
         lengths.append(own)
         values.append(ids)
     kjt = KeyedJaggedTensor(
-        keys=["f", "g"], values=torch.cat(values), lengths=torch.cat(lengths), stride_per_key_per_rank=[[2], [3]],
+        keys=["f", "g"], values=torch.cat(values), lengths=torch.cat(lengths),
+        stride_per_key_per_rank=[[c] for c in counts],
         inverse_indices=(["f", "g"], torch.stack([f[2] for f in features])),
     )
     return kjt, torch.randn(BATCH, 2 * DIM, generator=generator), features
 
 
-def train(rank: int, world_size: int, optimizer: str, sharding_type: str, steps: int = 3) -> dict:
+def train(rank: int, world_size: int, optimizer: str, sharding_type: str, steps: int = 3,
+          variable_batch: bool = False, uneven: bool = False) -> dict:
     """One table, looked up by two features with different batch sizes, trained against torch.optim
-    on the global batch: the first error ("Type: message"), or each step's largest difference and
-    how far the reference moved."""
+    on the global batch: the first error ("Type: message") and its step ("shard" at sharding), or
+    each step's largest difference and how far the reference moved. ``variable_batch``: the
+    sharder's option."""
     import overlap_optim
     import sharders
     from torchrec.distributed import DistributedModelParallel
@@ -60,18 +67,21 @@ def train(rank: int, world_size: int, optimizer: str, sharding_type: str, steps:
     cls, kwargs = OPTIMIZERS[optimizer]
     overlap_optim.apply_optimizer_in_backward(_class(cls), ebc.parameters(), kwargs)
     ref_opt = _class(cls)(reference.parameters(), **kwargs)
-    sharder = sharders.EmbeddingBagCollectionSharder()
-    plan = EmbeddingShardingPlanner(
-        topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
-        constraints={"t": ParameterConstraints(sharding_types=[sharding_type], min_partition=4)},
-    ).collective_plan(ebc, [sharder], dist.group.WORLD)
-    dmp = DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    sharder = sharders.EmbeddingBagCollectionSharder(variable_batch=variable_batch)
+    try:
+        plan = EmbeddingShardingPlanner(
+            topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
+            constraints={"t": ParameterConstraints(sharding_types=[sharding_type], min_partition=4)},
+        ).collective_plan(ebc, [sharder], dist.group.WORLD)
+        dmp = DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    except ValueError as err:
+        return {"error": f"{type(err).__name__}: {err}", "step": "shard"}
     with torch.no_grad():
         for row, col, piece in _pieces(dmp):
             piece.copy_(reference.weight[row : row + piece.shape[0], col : col + piece.shape[1]])
     start, diffs = reference.weight.detach().clone(), []
     for step in range(steps):
-        kjt, weights, _ = _batch(step, rank)
+        kjt, weights, _ = _batch(step, rank, uneven)
         try:
             out = dmp(kjt)
             out = out.wait() if hasattr(out, "wait") else out
@@ -80,7 +90,7 @@ def train(rank: int, world_size: int, optimizer: str, sharding_type: str, steps:
             return {"error": f"{type(err).__name__}: {err}", "step": step}
         total = 0.0
         for r in range(world_size):  # the reference: every rank's samples; TorchRec averages over ranks
-            _, w, features = _batch(step, r)
+            _, w, features = _batch(step, r, uneven)
             pooled = [reference(ids, offsets)[inverse] for ids, offsets, inverse in features]
             total = total + (torch.cat(pooled, dim=1) * w).sum() / BATCH / world_size
         total.backward()

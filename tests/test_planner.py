@@ -268,3 +268,30 @@ def test_dense_bytes_counts_parameters_buckets_and_the_state_torch_optim_creates
         sharders.DenseStorageReservation(1.5)
     with pytest.raises(ValueError, match="unannotated_state must be at least 0, got -1"):
         sharders.DenseStorageReservation(unannotated_state=-1)
+
+
+def test_declared_variable_batches_keep_the_planner_to_kernels_that_run_them():
+    """With ``variable_batch=True`` no data-parallel option is proposed (TorchRec's data-parallel
+    lookup ignores the batch sizes on CPU), and fused Adagrad is planned for the fallback, which
+    runs VBE batches; a table left with data_parallel only is refused at plan time, by name."""
+    import torch
+    from torchrec.distributed.planner import ParameterConstraints, Topology
+
+    import sharders
+    from _planner_bodies import _model
+    from sharders.planner import FittingEnumerator
+
+    specs = [("adagrad", torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-8})]
+    sharder = sharders.EmbeddingBagCollectionSharder(variable_batch=True)
+    enumerator = FittingEnumerator(Topology(world_size=2, compute_device="cpu", local_world_size=2), 512)
+    options = enumerator.enumerate(_model(specs, 64), [sharder])
+    assert {o.sharding_type for o in options} and "data_parallel" not in {o.sharding_type for o in options}
+    assert all(enumerator._kernel_of(o).kind.value == "lazy" for o in options)
+    stock = FittingEnumerator(Topology(world_size=2, compute_device="cpu", local_world_size=2), 512)
+    options = stock.enumerate(_model(specs, 64), [sharders.EmbeddingBagCollectionSharder()])
+    assert "data_parallel" in {o.sharding_type for o in options}  # the same table, undeclared
+    constrained = FittingEnumerator(Topology(world_size=2, compute_device="cpu", local_world_size=2), 512,
+                                    constraints={"adagrad": ParameterConstraints(sharding_types=["data_parallel"])})
+    with pytest.raises(ValueError, match=r"table 'adagrad': data_parallel: variable_batch=True: it runs as torch.optim "
+                                         r"after all-reduce \(DDP hook\), which has no variable-batch lookup"):
+        constrained.enumerate(_model(specs, 64), [sharder])

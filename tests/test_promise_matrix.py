@@ -7,7 +7,7 @@ touch every row or a third; weighted features, MEAN pooling, a table shared by t
 hook or the user's optimizer on the MLP; clipping by norm or value over a set, ``no_step``
 micro-batches, a scheduler, a checkpoint mid-run (in place, ``torch.save`` into fresh objects,
 ``overlap_optim.checkpoint`` under another plan, or on one rank); a model built on meta (handed to DMP,
-materialized, or moved by ``to_empty``); 1 or 2 ranks. Each example runs in the spawned
+materialized, or moved by ``to_empty``); VBE batches, declared; 1 or 2 ranks. Each example runs in the spawned
 group that the previous one left (:func:`overlap_optim.testing.run_cases`).
 
 CI runs the "ci" profile: a fixed set of examples (tests/conftest.py). ``make test-matrix`` runs
@@ -44,6 +44,9 @@ PREDICATES = {
     "fused_params_update_keys": lambda c: bool({k for k, _ in c.fused_params} - SAFE_FUSED_PARAMS),
     "unrunnable_compute_kernel": lambda c: any(t.kernel not in (None, "fused", "dense") for t in c.tables),
     "low_precision_table": lambda c: any(t.fp16 for t in c.tables),
+    # the matrix declares VBE (variable_batch=True): fused tables that cannot take it go to the fallback
+    "variable_batch": lambda c: c.vbe and (
+        c.micro > 1 or any(t.sharding == "data_parallel" or t.optimizer in NO_OPTIMIZER for t in c.tables)),
     "ambiguous_table_option": lambda c: not c.qualified and any(
         t.dense and sum(u.bagged and u.name == t.name for u in c.tables) > 1 for t in c.tables if t.bagged),
 }
@@ -102,6 +105,7 @@ def configs(draw) -> Config:
         schedule=draw(st.booleans()),
         checkpoint=draw(st.sampled_from([None, "in_place", "torch_save", "other_plan", "one_rank"])),
         meta=draw(st.sampled_from([None] * 12 + ["dmp", "materialize", "to_empty"])), seed=draw(st.integers(0, 1000)),
+        vbe="ec" not in collections and draw(st.sampled_from([False] * 4 + [True])),
     )
 
 
@@ -170,6 +174,16 @@ def directory():
 @example(config=Config((T("t0", "ebc", 7, "row_wise", "adam"), T("s1", "ec", 5, "column_wise", "user")),
                        dense_part="user_ddp", meta="to_empty"))
 @example(config=Config((T("t0", "ebc", 7, "row_wise", "user"),), dense_part="user", meta="to_empty"))
+# VBE batches (declared): the fallback had no variable-batch lookup, FBGEMM's Adagrad no variable-batch backward.
+@example(config=Config((T("t0", "ebc", 7, "row_wise", "adam"), T("t1", "ebc", 9, "table_wise", "adagrad", shared=True),
+                        T("t2", "ebc", 5, "column_wise", "sgd")), vbe=True, weighted=True))
+@example(config=Config((T("t0", "ebc", 7, "table_row_wise", "lamb", mean=True),
+                        T("t0", "ebc_b", 9, "column_wise", "rowwise_adagrad")),
+                       vbe=True, clip=("norm", "tables"), cover=False, checkpoint="other_plan"))
+@example(config=Config((T("t0", "ebc", 7, "table_wise", "adam", dense=True),
+                        T("t1", "ebc", 7, "column_wise", "adafactor", shared=True)),
+                       vbe=True, checkpoint="one_rank", dense_part="fsdp"))
+@example(config=Config((T("t0", "ebc", 7, "row_wise", "sgd"), T("t1", "ebc", 5, "data_parallel", "adam")), vbe=True))
 # A checkpoint of 2 ranks loaded on 1, which trains on with the global batch.
 @example(config=Config((T("t0", "ebc", 7, "row_wise", "adam"), T("t1", "ebc", 9, "column_wise", "rowwise_adagrad"),
                         T("s0", "ec", 5, "table_wise", "adafactor")), clip=("norm", "everything"), schedule=True,
