@@ -174,15 +174,16 @@ def carry_over(module: torch.nn.Module) -> list[str]:
     return done
 
 
-def refuse_lost_meta_annotations(module: torch.nn.Module) -> None:
+def refuse_lost_meta_annotations(module: torch.nn.Module, name: Callable[[str], str] = str) -> None:
     """Raise, naming it, for a parameter of ``module`` that replaced an annotated (or clipped) meta
     parameter and carries neither: where :func:`carry_over` came too late (a DDP that is not
     ours may hold it already)."""
     for fqn, old, now in meta_params.recorded(module):
         if now is not None and getattr(now, "_overlap_group", None) is None and clipping_of(now) is None:
             group = getattr(old, "_overlap_group", None)
+            carried = group.spec.name if group else "a gradient clipping set"
             raise ValueError(
-                f"{fqn!r} was annotated on the meta device ({group.spec.name if group else 'a gradient clipping set'}) "
+                f"{name(fqn)!r} was annotated on the meta device ({carried}) "
                 "and replaced since by a parameter without its annotation (Module.to_empty, or TorchRec's "
                 "init_parameters under a data_parallel_wrapper that is not overlap_optim's): it would train "
                 "nothing. Use overlap_optim.materialize(model, device) in place of to_empty, or "

@@ -292,7 +292,8 @@ def get_optimizers(model: torch.nn.Module) -> KeyedOptimizer:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"get_optimizers takes an nn.Module, got {type(model).__name__}")
     refuse_lost_annotations(model)
-    refuse_lost_meta_annotations(model)
+    prefixes = ddp_prefixes(model)
+    refuse_lost_meta_annotations(model, lambda fqn: unwrapped_name(unwrapped_path(fqn), prefixes))
     tables, foreign, annotated, bare = _discover(model)
     if bare and getattr(model, "_overlap_warned_bare", None) != sorted(bare):
         model._overlap_warned_bare = sorted(bare)  # once per model and set of parameters

@@ -151,19 +151,21 @@ class ModelBeingSharded:
     root: nn.Module
     plan: Any  # TorchRec's ShardingPlan
     sharders: dict[type, Any]  # module type -> its sharder
+    data_parallel_wrapper: Any = None  # what wraps the unsharded part after sharding
 
 
 def model_being_sharded() -> ModelBeingSharded | None:
     """What the ``DistributedModelParallel`` whose constructor is sharding now shards, or None when
     no DMP is (a sharder called by hand, TorchRec's ``shard_modules``). A sharder sees one module at
     a time; this lets it check every module before the first is changed. Private: the frame of
-    ``DistributedModelParallel._init_dmp(self, module)`` on the stack, and DMP's ``._plan`` and
-    ``._sharder_map``."""
+    ``DistributedModelParallel._init_dmp(self, module)`` on the stack, and DMP's ``._plan``,
+    ``._sharder_map`` and ``._data_parallel_wrapper``."""
     frame = inspect.currentframe()
     while frame is not None:
         if frame.f_code is DistributedModelParallel._init_dmp.__code__:
             dmp = frame.f_locals["self"]
-            return ModelBeingSharded(frame.f_locals["module"], dmp._plan, dict(dmp._sharder_map))
+            return ModelBeingSharded(frame.f_locals["module"], dmp._plan, dict(dmp._sharder_map),
+                                     dmp._data_parallel_wrapper)
         frame = frame.f_back
     return None
 
@@ -197,6 +199,8 @@ PRIVATE_APIS: dict[str, Callable[[], object]] = {
     "DistributedModelParallel._init_dmp(self, module)": lambda: _takes(DistributedModelParallel._init_dmp, "module"),
     "DistributedModelParallel._plan": lambda: _set_by(DistributedModelParallel, "_plan"),
     "DistributedModelParallel._sharder_map": lambda: _set_by(DistributedModelParallel, "_sharder_map"),
+    "DistributedModelParallel._data_parallel_wrapper": lambda: _set_by(DistributedModelParallel,
+                                                                        "_data_parallel_wrapper"),
     "fused params key _batch_key (embedding_sharding.group_tables)": lambda: _mentions(
         "torchrec.distributed.embedding_sharding", BATCH_KEY),
 }

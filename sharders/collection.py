@@ -49,13 +49,13 @@ from torchrec.distributed.types import ParameterSharding, ShardedModule, Shardin
 
 from overlap_optim import plans
 from overlap_optim.annotation import carry_over
-from overlap_optim.clipping import mark_taken
+from overlap_optim.clipping import clipping_of, mark_taken
 from overlap_optim.round import EndOfBackwardRound, arm_in_backward
 from overlap_optim.spec import AnnotationGroup
 from sharders import _private
 from sharders._private import kernels_of
 from sharders.cross_shard import CrossShardTable  # noqa: F401 - registers the kind
-from sharders.data_parallel import DataParallelTable  # noqa: F401 - registers the kind
+from sharders.data_parallel import DataParallelTable, DataParallelWrapper, FullyShardWrapper  # noqa: F401 - registers
 from sharders.fallback import DenseTable, LazyTable  # noqa: F401 - register the kinds
 from sharders.fbgemm import FusedTable  # noqa: F401 - registers the kind
 from sharders.frozen import FrozenTable  # noqa: F401 - registers the kind
@@ -275,6 +275,7 @@ def check_model(whole: _private.ModelBeingSharded, device_type: str) -> None:
         params = whole.plan.get_plan_for_module(path)
         if isinstance(sharder, CollectionSharder) and params:
             modules.append((sharder, path, module, params))
+    _check_meta_dense(whole, modules)
     for sharder in {id(m[0]): m[0] for m in modules}.values():  # the names first: a table's own check may use them
         held = [(path, [c.name for c in sharder.table_configs(module)]) for s, path, module, _ in modules if s is sharder]
         for option in ("fallback_tables", "dense_tables"):
@@ -282,6 +283,24 @@ def check_model(whole: _private.ModelBeingSharded, device_type: str) -> None:
     for sharder, path, module, params in modules:
         sharder.check_options(device_type)
         sharder._table_kernels(module, params, device_type, path)
+
+
+def _check_meta_dense(whole: _private.ModelBeingSharded, modules: list) -> None:
+    """An annotated (or clipped) meta parameter outside the sharded modules keeps its annotation
+    only under our wrappers: TorchRec's ``init_parameters`` replaces it, and theirs does not carry
+    it over (it would train nothing, or go unclipped)."""
+    if isinstance(whole.data_parallel_wrapper, (DataParallelWrapper, FullyShardWrapper)):
+        return
+    sharded = {id(p) for _, _, module, _ in modules for p in module.parameters()}
+    for name, param in whole.root.named_parameters():
+        carries = getattr(param, "_overlap_group", None) is not None or clipping_of(param) is not None
+        if param.is_meta and carries and id(param) not in sharded:
+            raise ValueError(
+                f"{name!r} is annotated (or clipped) on the meta device, and the data_parallel_wrapper "
+                f"{type(whole.data_parallel_wrapper).__name__} replaces it in init_parameters without its "
+                "annotation: pass data_parallel_wrapper=sharders.DataParallelWrapper() (or FullyShardWrapper), "
+                "or materialize the model first (overlap_optim.materialize)"
+            )
 
 
 def _check_named(option: str, names: frozenset[str], held: list[tuple[str, list[str]]]) -> None:

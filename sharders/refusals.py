@@ -118,6 +118,17 @@ REFUSALS: tuple[Refusal, ...] = (
         r"the module .* has tables that no kernel runs exactly|: it runs as)",
     ),
     Refusal(
+        "meta_dense_foreign_wrapper",
+        "a model built on the meta device whose dense part is annotated or clipped, under TorchRec's default "
+        "data_parallel_wrapper (or another that is not overlap_optim's)",
+        "shard",
+        "TorchRec's init_parameters replaces each meta parameter with a new one, and that wrapper does not carry "
+        "the annotation over: the dense part would train nothing, or go unclipped",
+        "DistributedModelParallel(..., data_parallel_wrapper=sharders.DataParallelWrapper()), or "
+        "overlap_optim.materialize(model, device) before DMP",
+        r"is annotated \(or clipped\) on the meta device, and the data_parallel_wrapper",
+    ),
+    Refusal(
         "ambiguous_table_option",
         "a bare table name in fallback_tables or dense_tables that tables of two collections of the model share",
         "shard",

@@ -47,6 +47,8 @@ PREDICATES = {
     # the matrix declares VBE (variable_batch=True): fused tables that cannot take it go to the fallback
     "variable_batch": lambda c: c.vbe and (
         c.micro > 1 or any(t.sharding == "data_parallel" or t.optimizer in NO_OPTIMIZER for t in c.tables)),
+    "meta_dense_foreign_wrapper": lambda c: c.meta == "dmp" and c.dense_part == "user_ddp" and c.clip is not None
+    and c.clip[1] == "everything",
     "ambiguous_table_option": lambda c: not c.qualified and any(
         t.dense and sum(u.bagged and u.name == t.name for u in c.tables) > 1 for t in c.tables if t.bagged),
 }
@@ -184,6 +186,9 @@ def directory():
                         T("t1", "ebc", 7, "column_wise", "adafactor", shared=True)),
                        vbe=True, checkpoint="one_rank", dense_part="fsdp"))
 @example(config=Config((T("t0", "ebc", 7, "row_wise", "sgd"), T("t1", "ebc", 5, "data_parallel", "adam")), vbe=True))
+# A meta-built MLP clipped under TorchRec's default wrapper lost its clipping set (make test-matrix, seed 5150).
+@example(config=Config((T("s0", "ec", 1, "data_parallel", "sgd"),), cover=False, dense_part="user_ddp",
+                       clip=("norm", "everything"), meta="dmp"))
 # A checkpoint of 2 ranks loaded on 1, which trains on with the global batch.
 @example(config=Config((T("t0", "ebc", 7, "row_wise", "adam"), T("t1", "ebc", 9, "column_wise", "rowwise_adagrad"),
                         T("s0", "ec", 5, "table_wise", "adafactor")), clip=("norm", "everything"), schedule=True,
