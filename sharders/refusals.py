@@ -29,8 +29,9 @@ class Refusal:
         why: why it cannot be exact (or is not built).
         instead: what works.
         match: a regular expression the refusal's message matches.
-        sampled: whether the promise matrix draws it; else the test that holds it (VBE batches:
-            tests/test_variable_batch.py).
+        sampled: whether the promise matrix draws it by a predicate on the configuration.
+        data_dependent: it depends on the values trained, not on the configuration: it is raised on
+            every rank at the step after the one it concerns, and the matrix accepts it there.
     """
 
     name: str
@@ -40,6 +41,7 @@ class Refusal:
     instead: str
     match: str
     sampled: bool = True
+    data_dependent: bool = False
 
     def matches(self, message: str) -> bool:
         return re.search(self.match, message) is not None
@@ -129,6 +131,19 @@ REFUSALS: tuple[Refusal, ...] = (
         r"is annotated \(or clipped\) on the meta device, and the data_parallel_wrapper",
     ),
     Refusal(
+        "adafactor_variance_floor",
+        "torch.optim.Adafactor on a table split into row or column shards (or under FSDP2) whose variance floor "
+        "eps1**2 binds on an element with a nonzero gradient (gradients near 1e-7: MEAN pooling over long bags, "
+        "or a large eps[0])",
+        "the next step",
+        "the one all-reduce per step carries the update's RMS through an identity that the floor breaks; "
+        "checking it would take a second all-reduce per step. The step where it binds is already taken",
+        "table_wise or data_parallel for that table, or a smaller eps[0]",
+        r"Adafactor's variance floor eps1\*\*2 bound an element with a nonzero gradient",
+        sampled=False,
+        data_dependent=True,
+    ),
+    Refusal(
         "ambiguous_table_option",
         "a bare table name in fallback_tables or dense_tables that tables of two collections of the model share",
         "shard",
@@ -156,7 +171,8 @@ def markdown() -> str:
         "",
         "Every other combination trains exactly as `torch.optim` on the unsharded model; the promise",
         "matrix (`make test-matrix`) samples them. Each of these is refused on every rank at once, before",
-        "anything changes, with a message that names the table or the setting.",
+        "anything changes, with a message that names the table or the setting; except where the values",
+        "trained bring it (\"the next step\"): that one is raised on every rank at once at the step after.",
         "",
         "| combination | refused at | why | instead |",
         "| --- | --- | --- | --- |",
