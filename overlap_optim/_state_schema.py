@@ -1,7 +1,10 @@
 """Checks of a saved optimizer state against the model it is loaded into.
 
 Each check raises ``ValueError`` naming the offending key and changes nothing,
-so a loader can run them all before it mutates any state.
+so a loader can run them all before it mutates any state. With several ranks,
+:func:`agree` makes every rank raise the same error before any of them goes on
+to a collective, and :func:`whole_tensor` gathers a ``ShardedTensor`` split
+by another plan than the one it is loaded into.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 class _Shape(tuple):
     """The expected shape of a state tensor (a plain tuple is a saved value)."""
@@ -90,3 +95,45 @@ def _expected_state(param: torch.Tensor) -> dict[str, Any]:
         name: _Shape(value) if isinstance(value, tuple) else value
         for name, value in param._overlap_group.spec.state_shapes(param.shape).items()
     }
+
+
+def signature(state: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:
+    """Per key, its state names and which of them are ``ShardedTensor``s: what every rank's copy of
+    a state dict must have alike before a collective reads it."""
+    return [(key, tuple(sorted(s)), tuple(sorted(n for n, v in s.items() if isinstance(v, ShardedTensor))))
+            for key, s in sorted(state.items())]
+
+
+def agree(group: Any, failure: Exception | None, facts: Any = None) -> list[Any]:
+    """Every rank's ``facts``, once every rank has reached this point. If any rank has a
+    ``failure`` (its own check failed), or ranks' facts' signatures differ, every rank raises
+    the lowest such rank's error, naming it: no rank goes on to a collective alone. Without
+    several ranks in ``group``, the local failure is raised as it is."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if failure is not None:
+            raise failure
+        return [facts]
+    local = (None if failure is None else (type(failure).__name__, str(failure)), facts)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, local, group=group)
+    for rank, (error, _) in enumerate(gathered):
+        if error is not None:
+            cls = ValueError if error[0] == "ValueError" else RuntimeError
+            raise cls(f"{error[1]} (found on rank {rank})") from failure
+    return [f for _, f in gathered]
+
+
+def whole_tensor(value: ShardedTensor) -> torch.Tensor:
+    """``value`` as one plain tensor on every rank of its process group (a collective): each rank
+    contributes its local shards."""
+    group = value._process_group
+    local = [(list(s.metadata.shard_offsets), s.tensor.detach().cpu()) for s in value.local_shards()]
+    gathered: list[Any] = [local]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, local, group=group)
+    whole = torch.zeros(value.size(), dtype=value.dtype)
+    for part in gathered:
+        for offsets, tensor in part:
+            whole[tuple(slice(o, o + s) for o, s in zip(offsets, tensor.shape))] = tensor
+    return whole

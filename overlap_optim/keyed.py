@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.types import ShardedModule
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
@@ -157,10 +158,15 @@ class InBackwardOptimizer(KeyedOptimizer):
         return {"state": state, "param_groups": [self._group_state(g) for g in self._groups]}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load state and hyperparameters saved by :meth:`state_dict`.
+        """Load state and hyperparameters saved by :meth:`state_dict`, under this plan or another.
 
         Everything is checked before anything changes: on any error the
         current weights, state and hyperparameters are exactly as they were.
+        With sharded tables this is a collective: each rank checks its own
+        copy, then the ranks agree, so a check that fails on one rank raises
+        on every rank (naming it). An entry split by another plan (or a
+        ``ShardedTensor`` where this plan keeps a plain tensor) is gathered
+        whole on every rank, then sliced as this plan holds it.
 
         Raises:
             ValueError: keys are missing or unexpected (both lists are given),
@@ -170,8 +176,52 @@ class InBackwardOptimizer(KeyedOptimizer):
             RuntimeError: inside a ``no_step`` window.
         """
         self._refuse_mid_window("load_state_dict()")
-        new_state, new_groups = _state_schema.split(state_dict)
-        _state_schema.check_keys(self.params, new_state, new_groups)
+        ranks = self._sources[0][1].process_group if self._sources else None
+        try:
+            new_state, new_groups = _state_schema.split(state_dict)
+            _state_schema.check_keys(self.params, new_state, new_groups)
+            facts, failure = (_state_schema.signature(new_state), self._split_elsewhere(new_state)), None
+        except ValueError as err:
+            facts, failure = None, err
+        gathered = _state_schema.agree(ranks, failure, facts)
+        mismatched = [rank for rank, f in enumerate(gathered) if f[0] != gathered[0][0]]
+        if mismatched:
+            raise ValueError(
+                f"the state dict differs across ranks: ranks {mismatched} hold other keys, state names or sharded "
+                "entries than rank 0; load the same state dict on every rank"
+            )
+        # Entries split by another plan: every rank gathers each whole, in the same order.
+        elsewhere = sorted({key for f in gathered for key in f[1]})
+        for key in elsewhere:
+            new_state[key] = {n: _state_schema.whole_tensor(v) if isinstance(v, ShardedTensor) else v
+                              for n, v in sorted(new_state[key].items())}
+        try:
+            group_of, loaded = self._checked(new_state, new_groups)
+            failure = None
+        except ValueError as err:
+            failure = err
+        _state_schema.agree(ranks, failure)
+        for group, saved in group_of:
+            group.param_group.update({k: v for k, v in saved.items() if k not in ("params", _CLASS_KEY)})
+        for key, (tables, table_key) in self._tables.items():
+            if new_state.get(key):
+                tables.load(table_key, new_state[key])
+        for key, param in self._in_backward.items():
+            load_param_state(param, loaded[key])
+
+    def _split_elsewhere(self, new_state: dict[str, Any]) -> list[str]:
+        """Keys whose saved state this rank cannot take from its own part of it: a ``ShardedTensor``
+        where a plain tensor is kept (a data-parallel table, a dense parameter), or split by
+        another plan than this one's."""
+        keys = [k for k in self._in_backward
+                if any(isinstance(v, ShardedTensor) for v in new_state.get(k, {}).values())]
+        keys += [k for k, (tables, table_key) in self._tables.items()
+                 if not tables.held_locally(table_key, new_state.get(k, {}))]
+        return sorted(keys)
+
+    def _checked(self, new_state: dict[str, Any], new_groups: list | None) -> tuple[list, dict[str, Any]]:
+        """Every check of :meth:`load_state_dict` (a collective with sharded tables): the matched param
+        groups and the in-backward parameters' checked state."""
         dropped = sorted(k for k in self._keys_with_state() if not new_state.get(k))
         if dropped:
             raise ValueError(
@@ -186,13 +236,7 @@ class InBackwardOptimizer(KeyedOptimizer):
         }
         for key, (tables, table_key) in self._tables.items():
             tables.check(table_key, new_state.get(key, {}))
-        for group, saved in group_of:
-            group.param_group.update({k: v for k, v in saved.items() if k not in ("params", _CLASS_KEY)})
-        for key, (tables, table_key) in self._tables.items():
-            if new_state.get(key):
-                tables.load(table_key, new_state[key])
-        for key, param in self._in_backward.items():
-            load_param_state(param, loaded[key])
+        return group_of, loaded
 
     def drop_placeholder_state(self) -> None:
         """Undo :meth:`init_state` where nothing was loaded over its placeholders."""

@@ -144,6 +144,22 @@ class ShardedTables:
             for piece in table.pieces:
                 self._slice(value, table, name, piece)  # raises if a piece is missing
 
+    def held_locally(self, key: str, saved: dict[str, Any]) -> bool:
+        """Whether every piece of ``saved`` that this rank's shards need is on this rank: a plain
+        tensor, or a ``ShardedTensor`` split as this plan splits the table (not another plan; and
+        none where this plan keeps the entry whole, such as Adafactor's row factor on column shards)."""
+        table = self.tables[self._table_of(key)]
+        if any(isinstance(v, _private.ShardedTensor) for n, v in saved.items() if n not in table.row_names):
+            return False
+        for name in table.row_names:
+            if isinstance(saved.get(name), _private.ShardedTensor):
+                try:
+                    for piece in table.pieces:
+                        self._slice(saved[name], table, name, piece)
+                except ValueError:
+                    return False
+        return True
+
     def load(self, key: str, saved: dict[str, Any]) -> None:
         """Copy ``saved`` (already checked) into the kernels' state."""
         table = self.tables[self._table_of(key)]

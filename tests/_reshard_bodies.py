@@ -188,3 +188,45 @@ def _local_snapshot(dmp, keyed):
         for name, value in state.items():
             out.update({f"optim.{key}.{name}.{i}": t for i, t in enumerate(pieces(value))})
     return out
+
+
+def _weights_from(dmp, reference):
+    """Set every local piece of ``dmp``'s tables and its MLP from the unsharded ``reference``."""
+    from _sharded_parity import local_pieces
+
+    with torch.no_grad():
+        for name in NAMES:
+            ref = reference.ebc.embedding_bags[name].weight
+            for row, col, piece in local_pieces(dmp, name):
+                piece.copy_(ref[row : row + piece.shape[0], col : col + piece.shape[1]])
+        state = dmp.state_dict()
+        for key, value in reference.dense.state_dict().items():
+            state[f"dense.{key}"].copy_(value)
+
+
+def state_dict_then_reshard(rank, world_size, directory=None):
+    """Plan A trains; its keyed optimizer's ``state_dict()``, held in memory, is loaded with
+    ``load_state_dict`` into plan B (another seed; weights set from the reference, as a model
+    checkpoint would); B trains on, compared with the reference after every step. Then a state
+    dict that fails a check on rank 1 only: both ranks refuse it alike, and nothing changes."""
+    dmp, keyed, sched, reference = _sharded(PLAN_A, world_size)
+    _train(dmp, keyed, sched, reference, rank, world_size, range(SAVED_AT))
+    saved, saved_sched = keyed.state_dict(), sched.state_dict()
+    resumed, keyed_b, sched_b, _ = _sharded(PLAN_B, world_size, pinned=PINNED_B, seed=1)
+    loss_of(resumed, global_batch(0)[rank]).backward()  # state of its own, to be replaced
+    _weights_from(resumed, reference.model)
+    keyed_b.load_state_dict(saved)
+    sched_b.load_state_dict(saved_sched)
+    _train(resumed, keyed_b, sched_b, reference, rank, world_size, range(SAVED_AT, STEPS))
+    broken = {"state": dict(saved["state"]), "param_groups": saved["param_groups"]}
+    if rank == 1:  # a check that fails on this rank only
+        broken["state"]["dense.0.weight"] = {**saved["state"]["dense.0.weight"], "exp_avg": torch.zeros(3)}
+    before = _local_snapshot(resumed, keyed_b)
+    try:
+        keyed_b.load_state_dict(broken)
+        message = "no error"
+    except ValueError as err:
+        message = str(err)
+    after = _local_snapshot(resumed, keyed_b)
+    same = before.keys() == after.keys() and all(torch.equal(v, after[k]) for k, v in before.items())
+    return {"moved": reference.moved(), "refusal": message, "unchanged": same}

@@ -12,14 +12,17 @@ import pytest
 import torch
 
 from _models import ManyTableModel
-from _reshard_bodies import DENSE, NAMES, SETTINGS, load_on_one_rank, save_then_reshard
+from _reshard_bodies import DENSE, NAMES, SETTINGS, load_on_one_rank, save_then_reshard, state_dict_then_reshard
 from overlap_optim import apply_optimizer_in_backward, checkpoint, get_optimizers
 from overlap_optim.testing import run_cases, selected_cases
 
 HERE = Path(__file__).resolve().parent
 
 
-TWO_RANKS = {"reshard": save_then_reshard}  # plan A trains and saves, plan B loads and trains on: one sequence
+TWO_RANKS = {
+    "reshard": save_then_reshard,  # plan A trains and saves, plan B loads and trains on: one sequence
+    "state_dict/reshard": state_dict_then_reshard,
+}
 ONE_RANK = {"one_rank": load_on_one_rank}
 
 
@@ -122,3 +125,22 @@ def test_sigkill_of_one_rank_then_resume_gives_bit_identical_weights(tmp_path):
         "training did not move the weights: the comparison proves nothing"
     for key, value in expected.items():
         assert torch.equal(got[key], value), f"{key} differs after the resume {where}"
+
+
+@pytest.mark.parametrize("case", ["state_dict/reshard"])
+def test_load_state_dict_of_another_plan_is_exact(two, case):
+    """Plan A's ``state_dict()`` held in memory, loaded into plan B with ``load_state_dict``: every
+    table changes its sharding type (row_wise into table_wise, table_row_wise into data_parallel, a
+    fused table into the fallback...). On the main of 2026-11-26 this crashed in the DDP hook, or
+    refused on one rank while the other loaded."""
+    for rank, out in enumerate(two[case]):
+        assert out["moved"] > 1e-3, f"rank {rank}: the reference did not move"  # compared after every step
+
+
+@pytest.mark.parametrize("case", ["state_dict/reshard"])
+def test_a_load_that_fails_a_check_on_one_rank_is_refused_on_every_rank_and_changes_nothing(two, case):
+    messages = [out["refusal"] for out in two[case]]
+    assert "shape mismatch for 'dense.0.weight' state 'exp_avg'" in messages[0], messages
+    assert "(found on rank 1)" in messages[0], messages
+    assert messages[0] == messages[1], messages
+    assert all(out["unchanged"] for out in two[case])
