@@ -230,3 +230,39 @@ def state_dict_then_reshard(rank, world_size, directory=None):
     after = _local_snapshot(resumed, keyed_b)
     same = before.keys() == after.keys() and all(torch.equal(v, after[k]) for k, v in before.items())
     return {"moved": reference.moved(), "refusal": message, "unchanged": same}
+
+
+EC_NAMES = ["adam", "adagrad", "sgd_m", "lamb"]
+EC_SETTINGS = [SETTINGS[2], SETTINGS[0], SETTINGS[3], SETTINGS[6]]
+EC_PLAN_A = {"adam": "row_wise", "adagrad": "table_wise", "sgd_m": "column_wise", "lamb": "row_wise"}
+EC_PLAN_B = {"adam": "table_wise", "adagrad": "data_parallel", "sgd_m": "row_wise", "lamb": "column_wise"}
+
+
+def ec_state_dict_then_reshard(rank, world_size, directory=None, steps=4, saved_at=2):
+    """The EmbeddingCollection's tables, each into another sharding type (a fused table into
+    data_parallel, LAMB's row shards into column shards), through ``state_dict()`` and
+    ``load_state_dict`` held in memory; compared with torch.optim after every step."""
+    from _sharded_parity import local_pieces, step_side_by_side
+
+    def parts(step):
+        generator = torch.Generator().manual_seed(100 + step)
+        return [covering_batch(EC_NAMES, generator) for _ in range(world_size)]
+
+    dmp, reference, ref_opts = build(EC_NAMES, EC_SETTINGS, EC_PLAN_A, world_size, family="ec")
+    keyed = overlap_optim.get_optimizers(dmp)
+    start = {n: reference.tables[n].weight.detach().clone() for n in EC_NAMES}
+    for step in range(saved_at):
+        step_side_by_side(dmp, reference, ref_opts, EC_NAMES, parts(step), rank, step)
+    saved = keyed.state_dict()
+    resumed, _, _ = build(EC_NAMES, EC_SETTINGS, EC_PLAN_B, world_size, family="ec", seed=1)
+    with torch.no_grad():  # the weights, as a model checkpoint would bring them
+        for name in EC_NAMES:
+            for row, col, piece in local_pieces(resumed, name):
+                piece.copy_(reference.tables[name].weight[row : row + piece.shape[0], col : col + piece.shape[1]])
+        state = resumed.state_dict()
+        for key, value in reference.dense.state_dict().items():
+            state[f"dense.{key}"].copy_(value)
+    overlap_optim.get_optimizers(resumed).load_state_dict(saved)
+    for step in range(saved_at, steps):
+        step_side_by_side(resumed, reference, ref_opts, EC_NAMES, parts(step), rank, step)
+    return {"moved": min((reference.tables[n].weight.detach() - start[n]).abs().max().item() for n in EC_NAMES)}

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from _models import ManyTableModel
-from _reshard_bodies import DENSE, NAMES, SETTINGS, load_on_one_rank, save_then_reshard, state_dict_then_reshard
+from _reshard_bodies import (
+    DENSE, NAMES, SETTINGS, ec_state_dict_then_reshard, load_on_one_rank, save_then_reshard, state_dict_then_reshard,
+)
 from overlap_optim import apply_optimizer_in_backward, checkpoint, get_optimizers
 from overlap_optim.testing import run_cases, selected_cases
 
@@ -22,6 +24,7 @@ HERE = Path(__file__).resolve().parent
 TWO_RANKS = {
     "reshard": save_then_reshard,  # plan A trains and saves, plan B loads and trains on: one sequence
     "state_dict/reshard": state_dict_then_reshard,
+    "state_dict/reshard/ec": ec_state_dict_then_reshard,
 }
 ONE_RANK = {"one_rank": load_on_one_rank}
 
@@ -127,7 +130,7 @@ def test_sigkill_of_one_rank_then_resume_gives_bit_identical_weights(tmp_path):
         assert torch.equal(got[key], value), f"{key} differs after the resume {where}"
 
 
-@pytest.mark.parametrize("case", ["state_dict/reshard"])
+@pytest.mark.parametrize("case", ["state_dict/reshard", "state_dict/reshard/ec"])
 def test_load_state_dict_of_another_plan_is_exact(two, case):
     """Plan A's ``state_dict()`` held in memory, loaded into plan B with ``load_state_dict``: every
     table changes its sharding type (row_wise into table_wise, table_row_wise into data_parallel, a
