@@ -221,15 +221,21 @@ def state_dict_then_reshard(rank, world_size, directory=None):
     broken = {"state": dict(saved["state"]), "param_groups": saved["param_groups"]}
     if rank == 1:  # a check that fails on this rank only
         broken["state"]["dense.0.weight"] = {**saved["state"]["dense.0.weight"], "exp_avg": torch.zeros(3)}
-    before = _local_snapshot(resumed, keyed_b)
+    message, same = _refused_load(resumed, keyed_b, broken)
+    return {"moved": reference.moved(), "refusal": message, "unchanged": same}
+
+
+def _refused_load(dmp, keyed, state_dict):
+    """``keyed.load_state_dict(state_dict)``: its ValueError's message ("no error" if none), and
+    whether every local piece of every weight and state tensor is as it was."""
+    before = _local_snapshot(dmp, keyed)
     try:
-        keyed_b.load_state_dict(broken)
+        keyed.load_state_dict(state_dict)
         message = "no error"
     except ValueError as err:
         message = str(err)
-    after = _local_snapshot(resumed, keyed_b)
-    same = before.keys() == after.keys() and all(torch.equal(v, after[k]) for k, v in before.items())
-    return {"moved": reference.moved(), "refusal": message, "unchanged": same}
+    after = _local_snapshot(dmp, keyed)
+    return message, before.keys() == after.keys() and all(torch.equal(v, after[k]) for k, v in before.items())
 
 
 EC_NAMES = ["adam", "adagrad", "sgd_m", "lamb"]
@@ -266,3 +272,29 @@ def ec_state_dict_then_reshard(rank, world_size, directory=None, steps=4, saved_
     for step in range(saved_at, steps):
         step_side_by_side(resumed, reference, ref_opts, EC_NAMES, parts(step), rank, step)
     return {"moved": min((reference.tables[n].weight.detach() - start[n]).abs().max().item() for n in EC_NAMES)}
+
+
+def stock_state_dict_refused(rank, world_size, directory=None):
+    """Stock TorchRec (its sharder, FBGEMM's Adagrad through fused_params, table_wise: one table per
+    rank) steps once; its ``fused_optimizer.state_dict()`` (FBGEMM's names, plan-dependent keys) is
+    handed to ``load_state_dict`` of ours. On the main of 2026-11-26 one rank raised and the other
+    waited in a collective. Returns each rank's error."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder as StockSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    import torch.distributed as dist
+
+    names = ["a", "b"]
+    model = ManyTableModel(names)
+    stock = StockSharder(fused_params={"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.1, "eps": 1e-8})
+    plan = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
+        constraints={n: ParameterConstraints(sharding_types=["table_wise"]) for n in names},
+    ).collective_plan(model, [stock], dist.group.WORLD)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[stock])
+    loss_of(dmp, covering_batch(names, torch.Generator().manual_seed(rank))).backward()
+    saved = dmp.fused_optimizer.state_dict()
+    ours, _, _ = build(names, [(torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-8})] * 2, "table_wise", world_size)
+    message, same = _refused_load(ours, overlap_optim.get_optimizers(ours), saved)
+    return {"error": message, "unchanged": same}

@@ -14,6 +14,7 @@ import torch
 from _models import ManyTableModel
 from _reshard_bodies import (
     DENSE, NAMES, SETTINGS, ec_state_dict_then_reshard, load_on_one_rank, save_then_reshard, state_dict_then_reshard,
+    stock_state_dict_refused,
 )
 from overlap_optim import apply_optimizer_in_backward, checkpoint, get_optimizers
 from overlap_optim.testing import run_cases, selected_cases
@@ -25,6 +26,7 @@ TWO_RANKS = {
     "reshard": save_then_reshard,  # plan A trains and saves, plan B loads and trains on: one sequence
     "state_dict/reshard": state_dict_then_reshard,
     "state_dict/reshard/ec": ec_state_dict_then_reshard,
+    "state_dict/stock": stock_state_dict_refused,
 }
 ONE_RANK = {"one_rank": load_on_one_rank}
 
@@ -146,4 +148,14 @@ def test_a_load_that_fails_a_check_on_one_rank_is_refused_on_every_rank_and_chan
     assert "shape mismatch for 'dense.0.weight' state 'exp_avg'" in messages[0], messages
     assert "(found on rank 1)" in messages[0], messages
     assert messages[0] == messages[1], messages
+    assert all(out["unchanged"] for out in two[case])
+
+
+@pytest.mark.parametrize("case", ["state_dict/stock"])
+def test_a_stock_torchrec_state_dict_is_refused_alike_on_every_rank(two, case):
+    """Plan-dependent keys and FBGEMM's state names: refused, the same error on both ranks (on the main
+    of 2026-11-26 one rank raised and the other waited in all_gather_object until its timeout)."""
+    errors = [out["error"] for out in two[case]]
+    assert errors[0] != "no error" and errors[0] == errors[1], errors
+    assert "optimizer state does not match the model" in errors[0] or "differs across ranks" in errors[0], errors
     assert all(out["unchanged"] for out in two[case])
