@@ -170,6 +170,27 @@ def model_being_sharded() -> ModelBeingSharded | None:
     return None
 
 
+def merge_dense_variable_batches_by_rank(sharded: nn.Module) -> None:
+    """For a batch with a variable batch size per feature (VBE), TorchRec's pooled lookup joins
+    the outputs of several dense kernels kernel after kernel (``torch.cat``), where its output
+    all-to-all reads them rank after rank: each rank then gets other ranks' bags. Each such lookup
+    of ``sharded`` joins them with TorchRec's own rank-major merge instead. Private:
+    ``GroupedPooledEmbeddingsLookup._emb_modules``, ``._feature_splits``, ``._forward``,
+    ``._vbe_splits`` and ``._merge_variable_batch_embeddings``."""
+    for lookup in lookups(sharded):
+        modules = kernels_of_lookup(lookup)
+        if len(modules) < 2 or not all(isinstance(m, BatchedDenseEmbeddingBag) for m in modules):
+            continue
+
+        def forward(features: Any, lookup: nn.Module = lookup, plain: Callable = lookup.forward) -> Any:
+            if not features.variable_stride_per_key():
+                return plain(features)
+            groups = features.split(lookup._feature_splits)
+            return lookup._merge_variable_batch_embeddings(lookup._forward(groups), lookup._vbe_splits(groups))
+
+        lookup.forward = forward
+
+
 # name -> a function that returns the private object (raises if it is gone). Instance
 # attributes are checked in the code of the class that sets them: no instance is needed.
 PRIVATE_APIS: dict[str, Callable[[], object]] = {
@@ -179,6 +200,11 @@ PRIVATE_APIS: dict[str, Callable[[], object]] = {
         ShardedEmbeddingBagCollection, "_model_parallel_name_to_sharded_tensor"),
     "CombinedOptimizer._optims": lambda: _set_by(CombinedOptimizer, "_optims"),
     "GroupedPooledEmbeddingsLookup._emb_modules": lambda: _set_by(GroupedPooledEmbeddingsLookup, "_emb_modules"),
+    "GroupedPooledEmbeddingsLookup._feature_splits": lambda: _set_by(GroupedPooledEmbeddingsLookup, "_feature_splits"),
+    "GroupedPooledEmbeddingsLookup._forward": lambda: GroupedPooledEmbeddingsLookup._forward,
+    "GroupedPooledEmbeddingsLookup._vbe_splits": lambda: GroupedPooledEmbeddingsLookup._vbe_splits,
+    "GroupedPooledEmbeddingsLookup._merge_variable_batch_embeddings":
+        lambda: GroupedPooledEmbeddingsLookup._merge_variable_batch_embeddings,
     "DistributedModelParallel._dmp_wrapped_module": lambda: _set_by(DistributedModelParallel, "_dmp_wrapped_module"),
     "BatchedDenseEmbeddingBag._feature_table_map": lambda: _set_by(BatchedDenseEmbeddingBag, "_feature_table_map"),
     "BatchedDenseEmbeddingBag._embedding_table_index_type": lambda: _set_by(

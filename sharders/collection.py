@@ -100,10 +100,11 @@ class CollectionSharder:
                 Both take table names, or names qualified by the collection's path (``"ebc_a.t0"``)
                 where two collections of the model have a table of that name.
             variable_batch: the module will take batches with a variable batch size per feature
-                (VBE): each table runs where its update is exact on them (FBGEMM's fused SGD and
-                row-wise Adagrad unclipped, the fallback for the rest), and a table that no kernel
-                runs so (data-parallel, frozen, unannotated) is refused at sharding. Without it, a
-                VBE batch that reaches such a table is refused at its first lookup.
+                (VBE): every annotated table runs in the fallback, exactly on them whatever its
+                optimizer (TorchRec's VBE merging takes one kind of kernel per lookup), and a table
+                that no kernel runs so (data-parallel, frozen, unannotated) is refused at sharding.
+                Without it, fused SGD and row-wise Adagrad take VBE batches in FBGEMM, and a VBE batch
+                that reaches a table that cannot is refused at its first lookup.
             **kwargs: TorchRec's other arguments.
 
         Raises:

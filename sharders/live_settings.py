@@ -32,6 +32,7 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from sharders import _private
+from sharders.fallback import FallbackTable
 from sharders.kernels import ROW_SPLITTING, Accumulation, TableKernel
 
 __all__ = ["install_settings_check"]
@@ -64,7 +65,7 @@ def install_settings_check(
         for kernel in kernels:
             kernel.check_live()
         if inputs and isinstance(inputs[0], KeyedJaggedTensor) and inputs[0].variable_stride_per_key():
-            _check_variable_batch(kernels, accumulation)
+            _check_variable_batch(kernels, accumulation, process_group)
         for clip in clips:  # before any update of the step: a refused set leaves every weight as it was
             clip.check_members()
 
@@ -102,10 +103,22 @@ def _check_row_split_batches(sharded: nn.Module, tables: dict[str, TableKernel])
         lookup.register_forward_pre_hook(lambda _m, inputs, names=names: check(names, inputs))
 
 
-def _check_variable_batch(kernels: list[TableKernel], accumulation: Accumulation) -> None:
+def _check_variable_batch(kernels: list[TableKernel], accumulation: Accumulation, process_group: Any = None) -> None:
     """Refuse a VBE batch, on every rank alike and before any update, naming each table that cannot
     take it (the fallback and data-parallel kinds, FBGEMM's Adagrad, a clipped table, no_step)."""
     why = {k.table: k.why_no_variable_batch() for k in kernels}
+    several_ranks = process_group is not None and dist.get_world_size(process_group) > 1
+    by_type: dict[str, list[TableKernel]] = {}
+    for kernel in kernels:
+        by_type.setdefault(kernel.decision.sharding_type, []).append(kernel)
+    for sharding_type, same in by_type.items():  # the same on every rank: every table's kind is known
+        mixed = any(isinstance(k, FallbackTable) for k in same) and any(k.kind.value == "fused" for k in same)
+        if several_ranks and mixed:
+            for k in same:
+                why[k.table] = why[k.table] or (
+                    f"a fused and a fallback table share TorchRec's {sharding_type} lookup, whose VBE merging takes "
+                    "FBGEMM's fused kernels or dense ones, not both; declare variable_batch=True (the fallback runs "
+                    "them all), or give the fused tables another sharding type")
     if accumulation.active:
         why = {t: r or "inside no_step, and FBGEMM's variable-batch backward cannot be held" for t, r in why.items()}
     refused = {t: r for t, r in why.items() if r is not None}

@@ -274,12 +274,9 @@ def _choice(
         return KernelChoice(False, reason="pinned to the fallback (fallback_tables)")
     if choice.fused and compute_kernel == "dense":
         return KernelChoice(False, reason="the plan gives it compute kernel 'dense'")
-    if choice.fused and variable_batch and choice.fbgemm_kwargs["optimizer"] not in VARIABLE_BATCH_OPTIMIZERS:
-        return KernelChoice(False, reason=f"variable_batch=True: FBGEMM's {choice.fbgemm_kwargs['optimizer'].name} "
-                                          "kernel has no variable-batch backward")
-    if choice.fused and variable_batch and clip is not None:
-        return KernelChoice(False, reason="variable_batch=True: a clipped fused table holds FBGEMM's backward, "
-                                          "which has no variable-batch form")
+    if choice.fused and variable_batch:  # TorchRec's VBE merging takes one kind of kernel per lookup
+        return KernelChoice(False, reason="variable_batch=True: every table of the module runs in the fallback, "
+                                          "the one kernel that takes VBE batches whatever its optimizer")
     return choice
 
 

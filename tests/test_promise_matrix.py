@@ -189,6 +189,12 @@ def directory():
 # A meta-built MLP clipped under TorchRec's default wrapper lost its clipping set (make test-matrix, seed 5150).
 @example(config=Config((T("s0", "ec", 1, "data_parallel", "sgd"),), cover=False, dense_part="user_ddp",
                        clip=("norm", "everything"), meta="dmp"))
+# VBE, two fallback kernels in one lookup: TorchRec joined their outputs kernel after kernel (0.34 off),
+# and a fused and a fallback kernel in one lookup made TorchRec refuse (make test-matrix, seed 271828).
+@example(config=Config((T("t0", "ebc", 1, "table_wise", "sgd"), T("t0", "ebc_b", 1, "table_wise", "adagrad"),
+                        T("t1", "ebc_b", 1, "table_wise", "sgd")), cover=False, checkpoint="other_plan", vbe=True))
+@example(config=Config((T("t0", "ebc", 1, "table_wise", "sgd"), T("t0", "ebc_b", 2, "table_wise", "sgd"),
+                        T("t1", "ebc_b", 1, "table_wise", "sgd")), cover=False, checkpoint="other_plan", vbe=True))
 # A checkpoint of 2 ranks loaded on 1, which trains on with the global batch.
 @example(config=Config((T("t0", "ebc", 7, "row_wise", "adam"), T("t1", "ebc", 9, "column_wise", "rowwise_adagrad"),
                         T("s0", "ec", 5, "table_wise", "adafactor")), clip=("norm", "everything"), schedule=True,
