@@ -375,8 +375,17 @@ class ReferenceTrainer:
         for batch in micro_batches:
             _loss(self.model(batch), batch["target"]).backward()
 
-    def step(self, micro_batches: list[dict[str, Any]], bound: float | None) -> None:
-        self.backward(micro_batches)
+    def step(self, micro_batches: list[dict[str, Any]], bound: float | None,
+             grads: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """One step; ``grads`` (by parameter name) in place of this model's own backward. Returns
+        the gradients it stepped on (before clipping)."""
+        if grads is None:
+            self.backward(micro_batches)
+        else:
+            for name, param in self.model.named_parameters():
+                if name in grads:
+                    param.grad = grads[name].to(param.dtype)
+        used = {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
         if self.config.clip is not None:
             members = self.clip_set()
             if self.config.clip[0] == "norm":
@@ -393,6 +402,22 @@ class ReferenceTrainer:
         for scheduler in self.schedulers:
             scheduler.step()
         self.model.zero_grad(set_to_none=True)
+        return used
+
+
+def _ulp_jitter(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each gradient with every element moved by up to two float32 roundings of its largest element:
+    what summing its terms in another order may do to a small element (terms as large as the
+    largest element, cancelling)."""
+    generator = torch.Generator().manual_seed(7)
+    out = {}
+    for name, g in grads.items():
+        if g.is_sparse or not g.numel():
+            out[name] = g
+            continue
+        noise = (torch.rand(g.shape, generator=generator, dtype=torch.float64) * 2 - 1) * 2.0**-23
+        out[name] = (g.double() + noise * g.double().abs().max()).to(g.dtype)
+    return out
 
 
 def schedule(step: int) -> float:
@@ -640,6 +665,10 @@ def run(rank: int, world_size: int, config: Config, directory: str, resume: bool
     # ill-conditioned update, LAMB on a one-row table, moves 1e-5 from it in one step).
     exact = ReferenceTrainer(config, Reference(config, {k: v.double() for k, v in weights.items()},
                                                copy.deepcopy(dense).double()).double())
+    # And in float32 on the reference's own gradients, each element moved by up to two roundings of the
+    # largest (what another summation order may do): how far a gradient as accurate as the reference's
+    # takes the update (LAMB in its eps regime turns a 2e-8 difference in a gradient into 1.2e-5).
+    rounded = ReferenceTrainer(config, Reference(config, weights, dense))
     noise: dict[str, float] = {}
     from_exact: dict[str, float] = {}  # ours from the float64 reference
     start = {n: p.detach().clone() for n, p in reference.model.named_parameters()}
@@ -656,8 +685,9 @@ def run(rank: int, world_size: int, config: Config, directory: str, resume: bool
     if resume:
         for step in range(middle + 1):
             parts = micro_batches(step)
-            reference.step([global_batch(p) for p in parts], bound)
             exact.step([_double(global_batch(p)) for p in parts], bound)
+            rounded.step([global_batch(p) for p in parts], bound,
+                         _ulp_jitter(reference.step([global_batch(p) for p in parts], bound)))
         ours = _resumed_on_one_rank(config, weights, dense, bound, directory)
         _compare(ours, reference, diffs)
     else:
@@ -679,18 +709,22 @@ def run(rank: int, world_size: int, config: Config, directory: str, resume: bool
                 _compare(ours, reference, diffs)  # the reference has not stepped: all zero if nothing changed
                 return _refused("first step", err, all(d == [0.0] for d in diffs.values()))
             return _refused("later step", err, False)  # only a refusal that depends on the values may
-        reference.step([global_batch(p) for p in parts], bound)
+        rounded.step([global_batch(p) for p in parts], bound,
+                     _ulp_jitter(reference.step([global_batch(p) for p in parts], bound)))
         exact.step([_double(global_batch(p)) for p in parts], bound)
         for t in config.tables:
-            gap = (reference.model.tables[t.key].weight.double() - exact.model.tables[t.key].weight).abs().max()
-            noise[t.key] = max(noise.get(t.key, 0.0), gap.item())
+            weight = reference.model.tables[t.key].weight.double()
+            gap = max((weight - exact.model.tables[t.key].weight).abs().max().item(),
+                      (weight - rounded.model.tables[t.key].weight.double()).abs().max().item())
+            noise[t.key] = max(noise.get(t.key, 0.0), gap)
             ours_gap = max([(piece.double() - exact.model.tables[t.key].weight.detach()[r : r + piece.shape[0],
                                                                                        c : c + piece.shape[1]]).abs().max().item()
                             for r, c, piece in ours.pieces(t) if piece.numel()] or [0.0])
             from_exact[t.key] = max(from_exact.get(t.key, 0.0), ours_gap)
         # the MLP too: Adam on a gradient that micro-batches nearly cancel amplifies summation order
-        gap = max((a.double() - b).abs().max().item()
-                  for a, b in zip(reference.model.dense.parameters(), exact.model.dense.parameters()))
+        gap = max(max((a.double() - b).abs().max().item(), (a - c).abs().max().item()) for a, b, c in
+                  zip(reference.model.dense.parameters(), exact.model.dense.parameters(),
+                      rounded.model.dense.parameters()))
         noise["dense"] = max(noise.get("dense", 0.0), gap)
         mine = ours.dense_state()
         from_exact["dense"] = max(from_exact.get("dense", 0.0), max(
