@@ -16,12 +16,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+# The state dict entry listing the keys whose state is a placeholder: state made so that a state
+# dict always carries every entry (a template that dcp.load fills in place), which a parameter
+# that has not stepped yet does not have in torch.optim. Loading it gives such a key no state.
+PLACEHOLDERS = "placeholders"
+
+
 class _Shape(tuple):
     """The expected shape of a state tensor (a plain tuple is a saved value)."""
 
 
 def split(state_dict: Any) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
-    """The ``state`` and ``param_groups`` entries, checked for form."""
+    """The ``state`` and ``param_groups`` entries, checked for form; a key listed in
+    ``placeholders`` has empty state."""
     if not isinstance(state_dict, Mapping) or not isinstance(state_dict.get("state"), Mapping):
         raise ValueError(
             "not an optimizer state dict: expected a mapping with a 'state' mapping, got "
@@ -30,7 +37,14 @@ def split(state_dict: Any) -> tuple[dict[str, Any], list[dict[str, Any]] | None]
     groups = state_dict.get("param_groups")
     if groups is not None and not all(isinstance(g, Mapping) and "params" in g for g in groups):
         raise ValueError("param_groups must be a list of mappings, each with 'params'")
-    return dict(state_dict["state"]), None if groups is None else [dict(g) for g in groups]
+    state = dict(state_dict["state"])
+    placeholders = state_dict.get(PLACEHOLDERS, [])
+    if not isinstance(placeholders, (list, tuple)) or not all(isinstance(k, str) for k in placeholders):
+        raise ValueError(f"{PLACEHOLDERS!r} must be a list of parameter names, got {placeholders!r}")
+    for key in placeholders:  # saved before their first step: no state, as in torch.optim
+        if key in state:
+            state[key] = {}
+    return state, None if groups is None else [dict(g) for g in groups]
 
 
 def check_keys(

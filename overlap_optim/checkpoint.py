@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from overlap_optim import local_sgd
+from overlap_optim._state_schema import PLACEHOLDERS
 from overlap_optim._private import Shard, ShardedTensor, sharded_tensor_from_local_shards, sharded_tensor_process_group
 from overlap_optim.keyed import ddp_prefixes, unwrapped_name
 
@@ -223,7 +224,9 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra:
 def _read_validated(directory: Path, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     """The checkpoint's model and optimizer state, checked against ours and read into scratch copies."""
     wanted = {"model": _model_state(model), "optim": optimizer.state_dict()}
-    _check_against_metadata(directory, wanted)
+    saved = _check_against_metadata(directory, wanted)
+    if f"optim.{PLACEHOLDERS}" not in saved:  # written before state dicts listed their placeholders
+        wanted["optim"].pop(PLACEHOLDERS, None)
     scratch = _scratch_copy(wanted)
     # Flattening would drop sharded tensors with no piece on this rank, and DCP
     # would then take the checkpoint for its older format.
@@ -242,7 +245,8 @@ def _model_state(model: torch.nn.Module) -> dict[str, Any]:
     return {unwrapped_name(k, prefixes): v for k, v in model.state_dict().items()}
 
 
-def _check_against_metadata(directory: Path, wanted: dict[str, Any]) -> None:
+def _check_against_metadata(directory: Path, wanted: dict[str, Any]) -> set[str]:
+    """Refuse a checkpoint whose tensors' keys or shapes differ from ``wanted``'s; its keys."""
     try:
         metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     except _READ_ERRORS as err:
@@ -260,6 +264,7 @@ def _check_against_metadata(directory: Path, wanted: dict[str, Any]) -> None:
     for key, shape in expected.items():
         if tuple(saved[key]) != shape:
             raise CheckpointError(f"shape mismatch for {key}: checkpoint {tuple(saved[key])}, model {shape}")
+    return set(metadata)
 
 
 def _flat_tensors(tree: Any, prefix: str = "") -> dict[str, tuple[int, ...]]:

@@ -10,6 +10,7 @@ parameter name, one param group per annotation call, ``state_dict()`` /
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -30,12 +31,15 @@ from overlap_optim.update import (
     init_placeholder_state,
     live_optimizer,
     load_param_state,
+    placeholder_written,
 )
 
 __all__ = ["get_optimizers", "unoptimized_parameters", "InBackwardOptimizer", "unwrapped_parameters", "unwrapped_name", "ddp_prefixes", "unwrapped_path"]
 
 # The group entry naming the optimizer class; it is metadata, not a hyperparameter.
 _CLASS_KEY = "optimizer"
+# On the forward pre-hook of a model: the keyed optimizers built for it, checked before its forward.
+_WATCHED = "_overlap_keyed_optimizers"
 
 
 class _LiveState(Mapping):
@@ -99,6 +103,7 @@ class InBackwardOptimizer(KeyedOptimizer):
                 self.defaults[name] = self._groups[0].param_group[name]
         self._key_of = {param: key for key, param in params.items()}
         self._tracker: StepTracker | None = None  # get_optimizers sets the model's
+        self._template_out = False  # a state_dict() was taken since the last load or check
 
     # AMP's GradScaler hands itself to step() (``grad_scaler=``) when this is set: the one
     # place to see it, and refuse it.
@@ -148,14 +153,31 @@ class InBackwardOptimizer(KeyedOptimizer):
         ``torch.optim`` does. With sharded tables this is a collective: call it
         on every rank.
 
+        Every parameter with an optimizer that keeps state has every entry, as
+        TorchRec's fused optimizers do, even before its first step (then its
+        state is a placeholder, made by :meth:`init_state`, and its key is
+        listed under ``"placeholders"``; loading gives it no state again). So
+        a fresh optimizer's state dict is a template that
+        ``torch.distributed.checkpoint.load`` fills: then hand it to
+        :meth:`load_state_dict` (or pass the optimizer itself to ``dcp.load``,
+        which does). The first forward after an in-place fill that was never
+        loaded raises (see ``docs/checkpoints.md``).
+
         Raises:
             RuntimeError: inside a ``no_step`` window (see :func:`overlap_optim.no_step`).
         """
         self._refuse_mid_window("state_dict()")
+        self.init_state()  # every entry, so that dcp.load can fill even a fresh optimizer's state dict
+        self._template_out = True
+        real = set(self._keys_with_state())
         state = {self._key_of[p]: dict(s) for p, s in self.state.items()}
         for path, tables in self._sources:
             state.update({_join(path, k): v for k, v in tables.state_dict().items()})
-        return {"state": state, "param_groups": [self._group_state(g) for g in self._groups]}
+        return {
+            "state": state,
+            "param_groups": [self._group_state(g) for g in self._groups],
+            _state_schema.PLACEHOLDERS: sorted(k for k in state if k not in real),
+        }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load state and hyperparameters saved by :meth:`state_dict`, under this plan or another.
@@ -208,6 +230,28 @@ class InBackwardOptimizer(KeyedOptimizer):
                 tables.load(table_key, new_state[key])
         for key, param in self._in_backward.items():
             load_param_state(param, loaded[key])
+        self.drop_placeholder_state()  # what was not loaded over (dcp.load may have written it)
+        self._template_out = False
+
+    def refuse_unloaded_template(self) -> None:
+        """Raise if a state dict of this optimizer was filled in place (``dcp.load``) and never
+        handed to :meth:`load_state_dict`: training on would silently drop what was read. Run
+        before each forward of the model (:func:`get_optimizers` registers it); free unless a
+        :meth:`state_dict` was taken since the last check."""
+        if not self._template_out:
+            return
+        written = [k for k, p in self._in_backward.items() if placeholder_written(p)]
+        for path, tables in self._sources:
+            written += [_join(path, k) for k in tables.written_placeholders()]
+        if written:
+            raise RuntimeError(
+                f"the optimizer state of {sorted(written)} was read into opt.state_dict() in place (dcp.load) "
+                "but never loaded: this optimizer keeps step counts and hyperparameters outside that dict, "
+                "and would drop what was read at the next step. Call opt.load_state_dict(state['optim']) after "
+                "dcp.load, or pass the optimizer itself to dcp.load ({'optim': opt}), which does "
+                "(docs/checkpoints.md). Nothing has been trained since the load"
+            )
+        self._template_out = False
 
     def _split_elsewhere(self, new_state: dict[str, Any]) -> list[str]:
         """Keys whose saved state this rank cannot take from its own part of it: a ``ShardedTensor``
@@ -349,12 +393,29 @@ def get_optimizers(model: torch.nn.Module) -> KeyedOptimizer:
         )
     in_backward = InBackwardOptimizer(annotated, tables)
     in_backward._tracker = track_steps(model)
+    _check_before_forward(model, in_backward)
     if not foreign:
         return in_backward
     # Modules sharded by another sharder keep TorchRec's plan-dependent keys.
     # CombinedOptimizer wants one policy for saving param groups: TorchRec's (off).
     in_backward.save_param_groups(foreign[0][1].defaults["_save_param_groups"])
     return CombinedOptimizer([*foreign, ("", in_backward)])
+
+
+def _check_before_forward(model: torch.nn.Module, optimizer: InBackwardOptimizer) -> None:
+    """Before each forward of ``model``, :meth:`InBackwardOptimizer.refuse_unloaded_template` of
+    every live keyed optimizer built for it (one hook per model, which holds them weakly)."""
+    hook = next((h for h in model._forward_pre_hooks.values() if hasattr(h, _WATCHED)), None)
+    if hook is None:
+        optimizers: weakref.WeakSet = weakref.WeakSet()
+
+        def hook(_module: torch.nn.Module, _inputs: Any) -> None:
+            for opt in list(optimizers):
+                opt.refuse_unloaded_template()
+
+        setattr(hook, _WATCHED, optimizers)
+        model.register_forward_pre_hook(hook)
+    getattr(hook, _WATCHED).add(optimizer)
 
 
 def unoptimized_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

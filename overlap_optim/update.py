@@ -36,11 +36,12 @@ from overlap_optim.virtual_groups import VirtualKey, fused_kernel_step, multi_te
 
 __all__ = [
     "step_when_ready", "step_param", "step_params", "StepPlan", "step_tables", "step_touched", "sum_rows", "live_optimizer", "init_placeholder_state", "load_param_state",
-    "has_real_state", "drop_placeholder_state", "set_state_maker",
+    "has_real_state", "drop_placeholder_state", "placeholder_written", "set_state_maker",
     "RowOptimizer", "DenseTableOptimizer", "TableOptimizer", "table_optimizer",
 ]
 
-# The one mark on a parameter whose state init_state() made and nothing was loaded over.
+# The one mark on a parameter whose state init_state() made and nothing was loaded over: the
+# version counters of its state tensors then (see placeholder_written).
 _PLACEHOLDER = "_overlap_placeholder_state"
 # On a parameter that its live optimizer's step does not update: what makes its fresh state.
 _STATE_MAKER = "_overlap_state_maker"
@@ -265,23 +266,34 @@ def init_placeholder_state(param: torch.Tensor) -> None:
     make = param.__dict__.get(_STATE_MAKER)
     if make is not None:
         make()
-        param.__dict__[_PLACEHOLDER] = True
-        return
-    kept = param.detach().clone()
-    param.grad = torch.zeros_like(param)
-    param._overlap_group.step(optimizer, param)
-    with torch.no_grad():
-        param.copy_(kept)
-    param.grad = None
-    param.__dict__[_PLACEHOLDER] = True
+    else:
+        kept = param.detach().clone()
+        param.grad = torch.zeros_like(param)
+        param._overlap_group.step(optimizer, param)
+        with torch.no_grad():
+            param.copy_(kept)
+        param.grad = None
+    param.__dict__[_PLACEHOLDER] = versions(optimizer.state.get(param, {}))
+
+
+def versions(state: dict[str, Any]) -> dict[str, int]:
+    """The version counters of ``state``'s tensors: any in-place write (``dcp.load`` filling a
+    state dict) bumps them."""
+    return {name: value._version for name, value in state.items() if isinstance(value, torch.Tensor)}
 
 
 def has_real_state(param: torch.Tensor) -> bool:
     """Whether ``param`` has optimizer state that is not an :func:`init_placeholder_state` placeholder."""
     optimizer = live_optimizer(param)
-    return bool(optimizer is not None and optimizer.state.get(param)) and not param.__dict__.get(
-        _PLACEHOLDER, False
-    )
+    return bool(optimizer is not None and optimizer.state.get(param)) and _PLACEHOLDER not in param.__dict__
+
+
+def placeholder_written(param: torch.Tensor) -> bool:
+    """Whether ``param``'s placeholder state was written in place since :func:`init_placeholder_state`
+    made it (by ``dcp.load``, say) without :func:`load_param_state`: a load that would be lost."""
+    made = param.__dict__.get(_PLACEHOLDER)
+    optimizer = live_optimizer(param)
+    return made is not None and optimizer is not None and versions(optimizer.state.get(param, {})) != made
 
 
 def drop_placeholder_state(param: torch.Tensor) -> None:
@@ -304,7 +316,7 @@ def load_param_state(param: torch.Tensor, state: dict[str, Any]) -> None:
 
 def _real_state(param: torch.Tensor, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The param's state, after dropping a placeholder that nothing was loaded over."""
-    if param.__dict__.pop(_PLACEHOLDER, False):
+    if param.__dict__.pop(_PLACEHOLDER, None) is not None:
         optimizer.state.pop(param, None)
     return optimizer.state[param]
 
@@ -315,7 +327,7 @@ def _real_states(params: list[torch.Tensor]) -> list[dict[str, Any]]:
     for param in params:
         optimizers = param.__dict__.get("_in_backward_optimizers")
         optimizer = optimizers[0] if optimizers else live_optimizer(param)
-        if param.__dict__.pop(_PLACEHOLDER, False):
+        if param.__dict__.pop(_PLACEHOLDER, None) is not None:
             optimizer.state.pop(param, None)
         states.append(optimizer.state[param])
     return states
@@ -383,6 +395,7 @@ class TableOptimizer:
             return
         self._make_placeholder()
         self.placeholder_state = True
+        self._placeholder_versions = versions(self.state)
 
     def drop_placeholder_state(self) -> None:
         """Undo :meth:`init_state` if nothing was loaded over it (also before every real update)."""
@@ -393,6 +406,10 @@ class TableOptimizer:
     def has_real_state(self) -> bool:
         """State that is not an :meth:`init_state` placeholder."""
         return bool(self.state) and not self.placeholder_state
+
+    def placeholder_written(self) -> bool:
+        """Whether the placeholder was written in place (``dcp.load``) without :meth:`load_state`."""
+        return self.placeholder_state and versions(self.state) != self._placeholder_versions
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Replace the state with copies of ``state`` (names and shapes as :attr:`state`)."""

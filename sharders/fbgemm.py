@@ -160,6 +160,10 @@ class FusedShardState:
     def drop_placeholder_state(self) -> None:
         """Nothing to drop."""
 
+    def placeholder_written(self) -> bool:
+        """Never: FBGEMM's state is real, and a ``dcp.load`` in place fills it for good."""
+        return False
+
     def load_state(self, state: dict[str, Any]) -> None:
         for name, target in self.row_state.items():
             target.copy_(state[name].view_as(target))

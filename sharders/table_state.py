@@ -115,6 +115,12 @@ class ShardedTables:
             for piece in table.pieces:
                 piece.state.drop_placeholder_state()
 
+    def written_placeholders(self) -> list[str]:
+        """Keys of the tables whose placeholder state on this rank was written in place since
+        :meth:`init_state` and never loaded (:meth:`load`): a ``dcp.load`` without ``load_state_dict``."""
+        return [key for key, t in zip(self.keys(), self.tables.values())
+                if any(p.state.placeholder_written() for p in t.pieces)]
+
     def keys_with_state(self) -> list[str]:
         """Keys of the tables with real state on some rank (a collective, like :meth:`state_dict`)."""
         local = [t.name for t in self.tables.values() if any(_has_state(p, real=True) for p in t.pieces)]

@@ -123,8 +123,11 @@ class Config:
     clip: tuple[str, str] | None = None  # ("norm" | "value", "tables" | "everything")
     micro: int = 1  # micro-batches per step (the first ones in no_step)
     schedule: bool = False  # a LambdaLR through get_optimizers, the same on each reference optimizer
-    # mid-run: "in_place", "torch_save", "other_plan", or "one_rank" (overlap_optim.checkpoint, loaded
-    # into the model sharded for one rank, which trains on with the global batch)
+    # mid-run: "in_place", "torch_save", "other_plan" (overlap_optim.checkpoint), "one_rank" (the same,
+    # loaded into the model sharded for one rank, which trains on with the global batch); plain DCP:
+    # "dcp" (fresh state dicts filled, then loaded), "dcp_other_plan" (dcp.load of the objects
+    # themselves, under another plan), "state_dict_other_plan" (load_state_dict of the state dict
+    # held in memory, under another plan)
     checkpoint: str | None = None
     # built and annotated on the meta device, then "dmp": handed to DMP as it is; "materialize":
     # overlap_optim.materialize(model, "cpu") first; "to_empty": Module.to_empty(device="cpu") first
@@ -408,7 +411,8 @@ class ReferenceTrainer:
 def _ulp_jitter(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each gradient with every element moved by up to two float32 roundings of its largest element:
     what summing its terms in another order may do to a small element (terms as large as the
-    largest element, cancelling)."""
+    largest element, cancelling). A row that is all zeros (one no id touched) stays so: it sums
+    no terms in any order (jittered, an Adagrad row would move by the whole lr)."""
     generator = torch.Generator().manual_seed(7)
     out = {}
     for name, g in grads.items():
@@ -416,7 +420,8 @@ def _ulp_jitter(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out[name] = g
             continue
         noise = (torch.rand(g.shape, generator=generator, dtype=torch.float64) * 2 - 1) * 2.0**-23
-        out[name] = (g.double() + noise * g.double().abs().max()).to(g.dtype)
+        touched = g.ne(0).any(dim=-1, keepdim=True) if g.dim() > 1 else g.ne(0)
+        out[name] = (g.double() + noise * g.double().abs().max() * touched).to(g.dtype)
     return out
 
 
@@ -595,12 +600,31 @@ def _checkpoint(ours: Ours, config: Config, weights: dict[str, torch.Tensor], de
         optim_buffer.seek(0)
         fresh.dmp.load_state_dict(torch.load(model_buffer, weights_only=False))
         fresh.keyed.load_state_dict(torch.load(optim_buffer, weights_only=False))
-    else:  # "other_plan": overlap_optim.checkpoint, loaded under another plan
+    elif config.checkpoint == "other_plan":  # overlap_optim.checkpoint, loaded under another plan
         from overlap_optim import checkpoint
 
         checkpoint.save(directory, ours.dmp, ours.keyed, {"step": 1})
         fresh = Ours(config, _scrambled(weights), _scrambled_dense(dense), bound, other_plan=True).shard()
         checkpoint.load(directory, fresh.dmp, fresh.keyed, {})
+    else:  # plain torch.distributed.checkpoint, as users write it; the optimizer held in memory
+        import torch.distributed.checkpoint as dcp
+
+        path = os.path.join(directory, "dcp-" + hashlib.sha1(repr(config).encode()).hexdigest()[:10])
+        saved = ours.keyed.state_dict()
+        dcp.save({"model": ours.dmp.state_dict(), "optim": saved}, checkpoint_id=path)
+        other = config.checkpoint != "dcp"
+        fresh = Ours(config, _scrambled(weights), _scrambled_dense(dense), bound, other_plan=other).shard()
+        planner = dcp.DefaultLoadPlanner(flatten_sharded_tensors=False)  # pieces held by the other rank
+        if config.checkpoint == "dcp":  # torch's recipe: fill fresh state dicts in place, then load them
+            state = {"model": fresh.dmp.state_dict(), "optim": fresh.keyed.state_dict()}
+            dcp.load(state, checkpoint_id=path, planner=planner)
+            fresh.dmp.load_state_dict(state["model"])
+            fresh.keyed.load_state_dict(state["optim"])
+        elif config.checkpoint == "dcp_other_plan":  # the objects themselves: DCP calls load_state_dict
+            dcp.load({"model": fresh.dmp, "optim": fresh.keyed}, checkpoint_id=path, planner=planner)
+        else:  # "state_dict_other_plan": the weights through DCP, the optimizer's state dict from memory
+            dcp.load({"model": fresh.dmp}, checkpoint_id=path, planner=planner)
+            fresh.keyed.load_state_dict(saved)
     for scheduler, state in zip(fresh.schedulers, scheduler_state):
         scheduler.load_state_dict(state)
     # The user's SGD keeps no state (no momentum); its parameters are listed by position, which

@@ -57,9 +57,12 @@ def test_is_a_keyed_optimizer_keyed_by_fqn():
     keyed = get_optimizers(model)
     assert isinstance(keyed, KeyedOptimizer)
     assert set(keyed.params) == {n for n, _ in model.named_parameters()}
-    assert keyed.state_dict()["state"] == {}  # lazy, as torch.optim
+    fresh = keyed.state_dict()  # every entry, as TorchRec's fused optimizers; all placeholders
+    assert fresh["placeholders"] == sorted(fresh["state"]) == sorted(keyed.params)
     _train(model, torch.Generator().manual_seed(0), 1)
-    state = keyed.state_dict()["state"]  # the same object sees the new state
+    real = keyed.state_dict()
+    assert real["placeholders"] == []
+    state = real["state"]  # the same object sees the new state
     assert set(state["ebc.embedding_bags.t0.weight"]) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
     groups = keyed.state_dict()["param_groups"]
     assert [g["optimizer"] for g in groups] == ["torch.optim.adam.Adam", "torch.optim.adamw.AdamW"]
