@@ -31,6 +31,7 @@ from overlap_optim.update import (
     init_placeholder_state,
     live_optimizer,
     load_param_state,
+    param_restore_point,
     placeholder_written,
 )
 
@@ -183,7 +184,9 @@ class InBackwardOptimizer(KeyedOptimizer):
         """Load state and hyperparameters saved by :meth:`state_dict`, under this plan or another.
 
         Everything is checked before anything changes: on any error the
-        current weights, state and hyperparameters are exactly as they were.
+        current weights, state and hyperparameters are exactly as they were,
+        and a load interrupted while it copies (``KeyboardInterrupt``, out of
+        memory) puts back what it had copied before it re-raises.
         With sharded tables this is a collective: each rank checks its own
         copy, then the ranks agree, so a check that fails on one rank raises
         on every rank (naming it). An entry split by another plan (or a
@@ -223,15 +226,35 @@ class InBackwardOptimizer(KeyedOptimizer):
         except ValueError as err:
             failure = err
         _state_schema.agree(ranks, failure)
-        for group, saved in group_of:
-            group.param_group.update({k: v for k, v in saved.items() if k not in ("params", _CLASS_KEY)})
-        for key, (tables, table_key) in self._tables.items():
-            if new_state.get(key):
-                tables.load(table_key, new_state[key])
-        for key, param in self._in_backward.items():
-            load_param_state(param, loaded[key])
+        restore = self._restore_point([k for k in self._tables if new_state.get(k)])
+        try:
+            for group, saved in group_of:
+                group.param_group.update({k: v for k, v in saved.items() if k not in ("params", _CLASS_KEY)})
+            for key, (tables, table_key) in self._tables.items():
+                if new_state.get(key):
+                    tables.load(table_key, new_state[key])
+            for key, param in self._in_backward.items():
+                load_param_state(param, loaded[key])
+        except BaseException:  # interrupted half-way (Ctrl-C, out of memory): as it was
+            restore()
+            raise
         self.drop_placeholder_state()  # what was not loaded over (dcp.load may have written it)
         self._template_out = False
+
+    def _restore_point(self, table_keys: list[str]) -> Callable[[], None]:
+        """A function that puts the hyperparameters, the state of the tables ``table_keys`` and of
+        every other parameter back as they are now; it holds the state by reference, and a copy only
+        of what a load writes in place (fused tables)."""
+        groups = [(g.param_group, {k: v for k, v in g.param_group.items() if k != "params"}) for g in self._groups]
+        restores = [self._tables[k][0].restore_point(self._tables[k][1]) for k in table_keys]
+        restores += [param_restore_point(p) for p in self._in_backward.values()]
+
+        def restore() -> None:
+            for param_group, hypers in groups:
+                param_group.update(hypers)
+            for undo in restores:
+                undo()
+        return restore
 
     def refuse_unloaded_template(self) -> None:
         """Raise if a state dict of this optimizer was filled in place (``dcp.load``) and never

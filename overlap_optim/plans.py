@@ -9,7 +9,7 @@ for :func:`overlap_optim.get_optimizers`. Arrows run from ``sharders`` to here.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -35,6 +35,7 @@ class TableStates(Protocol):
     def init_state(self) -> None: ...
     def drop_placeholder_state(self) -> None: ...
     def written_placeholders(self) -> list[str]: ...
+    def restore_point(self, key: str) -> Callable[[], None]: ...
 
 
 class ModulePlan(Protocol):

@@ -36,7 +36,7 @@ from overlap_optim.virtual_groups import VirtualKey, fused_kernel_step, multi_te
 
 __all__ = [
     "step_when_ready", "step_param", "step_params", "StepPlan", "step_tables", "step_touched", "sum_rows", "live_optimizer", "init_placeholder_state", "load_param_state",
-    "has_real_state", "drop_placeholder_state", "placeholder_written", "set_state_maker",
+    "has_real_state", "drop_placeholder_state", "placeholder_written", "param_restore_point", "set_state_maker",
     "RowOptimizer", "DenseTableOptimizer", "TableOptimizer", "table_optimizer",
 ]
 
@@ -305,6 +305,25 @@ def drop_placeholder_state(param: torch.Tensor) -> None:
             optimizer.state.pop(param, None)
 
 
+def param_restore_point(param: torch.Tensor) -> Callable[[], None]:
+    """A function that puts ``param``'s optimizer state back as it is now (:func:`load_param_state`
+    rebinds the state, never writes it: holding it is enough)."""
+    optimizer = live_optimizer(param)
+    state = None if optimizer is None else optimizer.state.get(param)
+    mark = param.__dict__.get(_PLACEHOLDER)
+
+    def restore() -> None:
+        if optimizer is None:
+            return
+        optimizer.state.pop(param, None)
+        if state is not None:
+            optimizer.state[param] = state
+        param.__dict__.pop(_PLACEHOLDER, None)
+        if mark is not None:
+            param.__dict__[_PLACEHOLDER] = mark
+    return restore
+
+
 def load_param_state(param: torch.Tensor, state: dict[str, Any]) -> None:
     """Replace ``param``'s optimizer state with ``state`` (empty: no state, as before a first step)."""
     optimizer = live_optimizer(param)
@@ -410,6 +429,19 @@ class TableOptimizer:
     def placeholder_written(self) -> bool:
         """Whether the placeholder was written in place (``dcp.load``) without :meth:`load_state`."""
         return self.placeholder_state and versions(self.state) != self._placeholder_versions
+
+    def restore_point(self) -> Callable[[], None]:
+        """A function that puts the state back as it is now (what :meth:`load_state` replaces is
+        rebound, never written: holding it is enough)."""
+        state, placeholder = dict(self.state), self.placeholder_state
+        made = getattr(self, "_placeholder_versions", None)
+
+        def restore() -> None:
+            self._clear_state()
+            if state:
+                self._set_state(state)
+            self.placeholder_state, self._placeholder_versions = placeholder, made
+        return restore
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Replace the state with copies of ``state`` (names and shapes as :attr:`state`)."""

@@ -24,7 +24,7 @@ pre-hook is the one place that sees every step in time.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -163,6 +163,18 @@ class FusedShardState:
     def placeholder_written(self) -> bool:
         """Never: FBGEMM's state is real, and a ``dcp.load`` in place fills it for good."""
         return False
+
+    def restore_point(self) -> Callable[[], None]:
+        """A function that puts the state back as it is now: :meth:`load_state` writes FBGEMM's
+        buffers in place, so this holds a copy of them."""
+        rows = {name: t.clone() for name, t in self.row_state.items()}
+        steps = self._kernel.steps
+
+        def restore() -> None:
+            for name, target in self.row_state.items():
+                target.copy_(rows[name])
+            self._kernel.steps = steps
+        return restore
 
     def load_state(self, state: dict[str, Any]) -> None:
         for name, target in self.row_state.items():

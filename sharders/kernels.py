@@ -32,7 +32,7 @@ import contextlib
 import dataclasses
 import enum
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -146,6 +146,7 @@ class ShardState(Protocol):
     def init_state(self) -> None: ...
     def drop_placeholder_state(self) -> None: ...
     def placeholder_written(self) -> bool: ...
+    def restore_point(self) -> Callable[[], None]: ...
     def load_state(self, state: dict[str, Any]) -> None: ...
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -165,6 +165,15 @@ class ShardedTables:
                 except ValueError:
                     return False
         return True
+
+    def restore_point(self, key: str) -> Callable[[], None]:
+        """A function that puts this rank's state of the table ``key`` back as it is now."""
+        restores = [piece.state.restore_point() for piece in self.tables[self._table_of(key)].pieces]
+
+        def restore() -> None:
+            for undo in restores:
+                undo()
+        return restore
 
     def load(self, key: str, saved: dict[str, Any]) -> None:
         """Copy ``saved`` (already checked) into the kernels' state."""

@@ -136,11 +136,7 @@ def save_then_reshard(rank, world_size, directory):
 def load_on_one_rank(rank, world_size, directory):
     """The 2-rank checkpoint, loaded on 1 rank (all tables table_wise) and into the unsharded model."""
     dmp, keyed, sched, _ = _sharded(dict.fromkeys(NAMES, "table_wise"), world_size, seed=1)
-    model = ManyTableModel(NAMES)  # the seed plan A started from
-    ref_opts = [cls(model.ebc.embedding_bags[n].parameters(), **kw) for n, (cls, kw) in zip(NAMES, SETTINGS)]
-    reference = _Reference(model, ref_opts + [DENSE[0](model.dense[0].parameters(), **DENSE[1])])
-    for step in range(SAVED_AT):
-        reference.step(step)
+    reference = _reference_at(SAVED_AT)
     unsharded = ManyTableModel(NAMES, seed=2)
     for name, (cls, kwargs) in zip(NAMES, SETTINGS):
         apply_optimizer_in_backward(cls, unsharded.ebc.embedding_bags[name].parameters(), kwargs)
@@ -156,6 +152,16 @@ def load_on_one_rank(rank, world_size, directory):
     return {"unsharded_diff": unsharded_diff, "layout": layout(keyed), "moved": reference.moved()}
 
 
+def _reference_at(step):
+    """The reference of a run from plan A's seed, trained ``step`` steps."""
+    model = ManyTableModel(NAMES)
+    ref_opts = [cls(model.ebc.embedding_bags[n].parameters(), **kw) for n, (cls, kw) in zip(NAMES, SETTINGS)]
+    reference = _Reference(model, ref_opts + [DENSE[0](model.dense[0].parameters(), **DENSE[1])])
+    for done in range(step):
+        reference.step(done)
+    return reference
+
+
 def _refused_without_change(directory, world_size):
     """Table "adam" now has Adagrad: the load is refused, naming it, and nothing changes."""
     settings = [(torch.optim.Adagrad, {"lr": 0.1}) if n == "adam" else st for n, st in zip(NAMES, SETTINGS)]
@@ -169,19 +175,18 @@ def _refused_without_change(directory, world_size):
         message = str(err)
     else:
         message = "no error"
-    after = _local_snapshot(dmp, keyed)
-    same = before.keys() == after.keys() and all(torch.equal(v, after[k]) for k, v in before.items())
+    same = _same(before, _local_snapshot(dmp, keyed))
     return {"message": message, "unchanged": same, "entries": len(before)}
 
 
 def _local_snapshot(dmp, keyed):
-    """Every local piece of every weight and optimizer state tensor, copied."""
+    """Every local piece of every weight and optimizer state tensor, copied, and the hyperparameters."""
     def pieces(value):
         if hasattr(value, "local_shards"):
             return [s.tensor.clone() for s in value.local_shards()]
         return [value.clone()] if torch.is_tensor(value) else []
 
-    out = {}
+    out = {f"hypers.{i}": {k: v for k, v in g.items() if k != "params"} for i, g in enumerate(keyed.param_groups)}
     for key, value in dmp.state_dict().items():
         out.update({f"model.{key}.{i}": t for i, t in enumerate(pieces(value))})
     for key, state in keyed.state_dict()["state"].items():
@@ -234,8 +239,98 @@ def _refused_load(dmp, keyed, state_dict):
         message = "no error"
     except ValueError as err:
         message = str(err)
-    after = _local_snapshot(dmp, keyed)
-    return message, before.keys() == after.keys() and all(torch.equal(v, after[k]) for k, v in before.items())
+    return message, _same(before, _local_snapshot(dmp, keyed))
+
+
+def plain_dcp(rank, world_size, directory):
+    """Plan A trains and saves with plain DCP, as TorchRec users write it: ``dcp.save({"model":
+    dmp.state_dict(), "optim": keyed.state_dict(), "sched": sched.state_dict()})``. Fresh objects
+    (another seed) load it three ways, and each trains on, compared with the reference after every
+    step: under plan A by torch's recipe (fill fresh state dicts in place, then ``load_state_dict``);
+    under plan B through DCP's Stateful protocol (``dcp.load`` of the objects themselves); and under
+    plan A filled in place but never loaded, which the next forward refuses with nothing trained,
+    then loaded. On the main of 2026-11-26 the fresh state dict had no lazy state to fill, and SGD's
+    momentum came back 0.0875 off, Adam's 0.026, Adafactor's 0.033."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    dmp, keyed, sched, reference = _sharded(PLAN_A, world_size)
+    _train(dmp, keyed, sched, reference, rank, world_size, range(SAVED_AT))
+    path = os.path.join(directory, "plain-dcp")
+    dcp.save({"model": dmp.state_dict(), "optim": keyed.state_dict(), "sched": sched.state_dict()}, checkpoint_id=path)
+    planner = dcp.DefaultLoadPlanner(flatten_sharded_tensors=False)  # tables held by the other rank
+    out = {}
+    for form, plan, pinned in (("recipe", PLAN_A, ()), ("stateful", PLAN_B, PINNED_B), ("unloaded", PLAN_A, ())):
+        twin = _reference_at(SAVED_AT)
+        resumed, keyed_b, sched_b, _ = _sharded(plan, world_size, pinned=pinned, seed=1)
+        if form == "stateful":
+            dcp.load({"model": resumed, "optim": keyed_b, "sched": sched_b}, checkpoint_id=path, planner=planner)
+        else:
+            state = {"model": resumed.state_dict(), "optim": keyed_b.state_dict(), "sched": sched_b.state_dict()}
+            dcp.load(state, checkpoint_id=path, planner=planner)
+            resumed.load_state_dict(state["model"])
+            sched_b.load_state_dict(state["sched"])
+            if form == "unloaded":
+                before = _local_snapshot(resumed, keyed_b)
+                try:
+                    loss_of(resumed, global_batch(SAVED_AT)[rank]).backward()
+                    out["refusal"] = "no error"
+                except RuntimeError as err:
+                    out["refusal"] = str(err)
+                out["unchanged"] = _same(before, _local_snapshot(resumed, keyed_b))
+            keyed_b.load_state_dict(state["optim"])
+        _train(resumed, keyed_b, sched_b, twin, rank, world_size, range(SAVED_AT, STEPS))
+        out[form] = twin.moved()
+    return out
+
+
+def interrupted_load(rank, world_size, directory=None):
+    """``load_state_dict`` of plan A's state dict into plan B, interrupted (KeyboardInterrupt) while it
+    copies: at the third table (the param groups and two tables already copied),
+    or at the MLP (every table copied). Every weight, state tensor and hyperparameter is as before;
+    then the same load, uninterrupted, trains on exactly."""
+    import sharders.table_state
+    from overlap_optim import keyed as keyed_module
+
+    dmp, keyed, sched, reference = _sharded(PLAN_A, world_size)
+    _train(dmp, keyed, sched, reference, rank, world_size, range(SAVED_AT))
+    saved, saved_sched = keyed.state_dict(), sched.state_dict()
+    resumed, keyed_b, sched_b, _ = _sharded(PLAN_B, world_size, pinned=PINNED_B, seed=1)
+    loss_of(resumed, global_batch(0)[rank]).backward()  # state of its own, to be put back
+    for group in keyed_b.param_groups:
+        group["lr"] *= 0.5  # hyperparameters of its own too
+    out = {}
+    for where, owner, name in (("third table", sharders.table_state.ShardedTables, "load"),
+                               ("MLP", keyed_module, "load_param_state")):
+        original, calls = getattr(owner, name), []
+
+        def interrupting(*args, original=original, calls=calls, at=3 if where == "third table" else 1):
+            calls.append(1)
+            if len(calls) == at:
+                raise KeyboardInterrupt
+            return original(*args)
+
+        before = _local_snapshot(resumed, keyed_b)
+        setattr(owner, name, interrupting)
+        try:
+            keyed_b.load_state_dict(saved)
+            out[where] = "not interrupted"
+        except KeyboardInterrupt:
+            out[where] = _same(before, _local_snapshot(resumed, keyed_b))
+        finally:
+            setattr(owner, name, original)
+    _weights_from(resumed, reference.model)
+    keyed_b.load_state_dict(saved)
+    sched_b.load_state_dict(saved_sched)
+    _train(resumed, keyed_b, sched_b, reference, rank, world_size, range(SAVED_AT, STEPS))
+    out["moved"] = reference.moved()
+    return out
+
+
+def _same(before, after):
+    return before.keys() == after.keys() and all(
+        torch.equal(v, after[k]) if torch.is_tensor(v) else v == after[k] for k, v in before.items())
 
 
 EC_NAMES = ["adam", "adagrad", "sgd_m", "lamb"]

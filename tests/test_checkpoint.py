@@ -229,3 +229,44 @@ def test_overwriting_a_checkpoint_is_atomic_whenever_the_save_dies(tmp_path, mon
     assert extras["tag"] == ("old" if killed_after < 2 else "new"), (killed_after, found.name)
     assert sorted(d.name for d in tmp_path.iterdir() if d.name.startswith("step-")) == (
         ["step-00000005"] if killed_after != 2 else [])
+
+
+@pytest.mark.parametrize("form", ["checkpoint", "plain_dcp"])
+def test_a_checkpoint_taken_before_the_first_step_trains_on_as_torch_optim_from_scratch(tmp_path, form):
+    """Saved before any step, every entry is a placeholder (Adam's step 1 after init_state, SGD's zero
+    momentum buffer) and is listed as one: loaded, it is no state. Were it loaded as state, Adam's bias
+    correction and SGD's first step with dampening would differ from torch.optim's."""
+    import torch.distributed.checkpoint as dcp
+
+    def annotate(model):
+        apply_optimizer_in_backward(torch.optim.Adam, model.ebc.parameters(), {"lr": 0.05})
+        apply_optimizer_in_backward(torch.optim.SGD, model.dense.parameters(),
+                                    {"lr": 0.05, "momentum": 0.9, "dampening": 0.5})
+        return model
+
+    first = annotate(TinyModel(seed=0))
+    opt = get_optimizers(first)
+    if form == "checkpoint":
+        checkpoint.save(tmp_path, first, opt)
+    else:
+        dcp.save({"model": first.state_dict(), "optim": opt.state_dict()}, checkpoint_id=tmp_path)
+    resumed = annotate(TinyModel(seed=1))
+    resumed_opt = get_optimizers(resumed)
+    if form == "checkpoint":
+        checkpoint.load(tmp_path, resumed, resumed_opt)
+    else:
+        dcp.load({"model": resumed, "optim": resumed_opt}, checkpoint_id=tmp_path)
+    reference = TinyModel(seed=0)
+    ref_opts = [torch.optim.Adam(reference.ebc.parameters(), lr=0.05),
+                torch.optim.SGD(reference.dense.parameters(), lr=0.05, momentum=0.9, dampening=0.5)]
+    before = clone_params(reference)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(3):
+        batch = make_batch(generator)
+        loss_of(resumed, batch).backward()
+        loss_of(reference, batch).backward()
+        for ref_opt in ref_opts:
+            ref_opt.step()
+            ref_opt.zero_grad()
+        assert_same_params(resumed, reference, step)
+    assert_moved(reference, before)

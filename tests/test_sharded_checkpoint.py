@@ -13,8 +13,8 @@ import torch
 
 from _models import ManyTableModel
 from _reshard_bodies import (
-    DENSE, NAMES, SETTINGS, ec_state_dict_then_reshard, load_on_one_rank, save_then_reshard, state_dict_then_reshard,
-    stock_state_dict_refused,
+    DENSE, NAMES, SETTINGS, ec_state_dict_then_reshard, interrupted_load, load_on_one_rank, plain_dcp,
+    save_then_reshard, state_dict_then_reshard, stock_state_dict_refused,
 )
 from overlap_optim import apply_optimizer_in_backward, checkpoint, get_optimizers
 from overlap_optim.testing import run_cases, selected_cases
@@ -27,6 +27,8 @@ TWO_RANKS = {
     "state_dict/reshard": state_dict_then_reshard,
     "state_dict/reshard/ec": ec_state_dict_then_reshard,
     "state_dict/stock": stock_state_dict_refused,
+    "plain_dcp": plain_dcp,
+    "state_dict/interrupted": interrupted_load,
 }
 ONE_RANK = {"one_rank": load_on_one_rank}
 
@@ -159,3 +161,25 @@ def test_a_stock_torchrec_state_dict_is_refused_alike_on_every_rank(two, case):
     assert errors[0] != "no error" and errors[0] == errors[1], errors
     assert "optimizer state does not match the model" in errors[0] or "differs across ranks" in errors[0], errors
     assert all(out["unchanged"] for out in two[case])
+
+
+@pytest.mark.parametrize("case", ["plain_dcp"])
+def test_plain_dcp_into_fresh_objects_is_exact_under_either_plan(two, case):
+    """Compared with the reference after every step, in the body; here, that each run moved it."""
+    for rank, out in enumerate(two[case]):
+        for form in ("recipe", "stateful", "unloaded"):
+            assert out[form] > 1e-3, f"rank {rank}, {form}: the reference did not move"
+
+
+@pytest.mark.parametrize("case", ["plain_dcp"])
+def test_a_state_dict_filled_in_place_and_never_loaded_is_refused_before_anything_trains(two, case):
+    for rank, out in enumerate(two[case]):
+        assert "was read into opt.state_dict() in place (dcp.load) but never loaded" in out["refusal"], out["refusal"]
+        assert "adam" in out["refusal"] and out["unchanged"], (rank, out)
+
+
+@pytest.mark.parametrize("case", ["state_dict/interrupted"])
+def test_a_load_interrupted_half_way_changes_nothing(two, case):
+    for rank, out in enumerate(two[case]):
+        assert out["third table"] is True and out["MLP"] is True, (rank, out)
+        assert out["moved"] > 1e-3, f"rank {rank}: the reference did not move"
