@@ -54,7 +54,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from overlap_optim.round import EndOfBackwardRound
 from overlap_optim.spec import AnnotationGroup, OptimizerSpec
-from overlap_optim.update import DenseTableOptimizer
+from overlap_optim.table_optimizer import DenseTableOptimizer
 
 __all__ = [
     "CROSS_SHARD", "CROSS_SHARD_VECTOR", "cross_shard_class", "Geometry", "CrossShardOptimizer",

@@ -1,6 +1,6 @@
 """The compiled one-pass update of a table's touched rows (Adam and AdamW on CPU).
 
-The lazy fallback update (:class:`overlap_optim.update.RowOptimizer`) otherwise takes five
+The lazy fallback update (:class:`overlap_optim.table_optimizer.RowOptimizer`) otherwise takes five
 passes over the touched rows: it sums the gradients of duplicate ids, gathers the rows of the
 weight and of each moment, steps them with ``torch.optim``'s math, and scatters them back. On a
 table larger than cache those gathers and scatters are most of a step. The operator

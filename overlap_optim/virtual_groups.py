@@ -22,7 +22,7 @@ for ``foreach``/``fused`` one call per annotation group (:func:`overlap_optim.up
 
 The update takes tensors, gradients, state dicts and param-group dicts, so the
 same call serves dense parameters (the DDP comm hook, data-parallel tables), the
-gathered rows of fallback tables (:mod:`overlap_optim.update`) and FSDP2's sharded
+gathered rows of fallback tables (:mod:`overlap_optim.table_optimizer`) and FSDP2's sharded
 DTensor parameters (:mod:`overlap_optim.fsdp`). Every class here is element-wise,
 so a DTensor steps on its local shard (torch's fused kernels have no DTensor
 rule); its state stays a DTensor sharded as the parameter is.

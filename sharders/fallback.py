@@ -7,10 +7,10 @@ weights, state-dict and checkpoint plumbing we keep) and turns it into a
 :class:`FallbackEmbeddingBag` (:class:`FallbackEmbedding`) that runs :class:`RowUpdates`. Its forward is the dense kernel's lookup without an
 autograd graph on the weights; its backward turns the output gradient (pooled
 or not: :mod:`sharders.pooling`) into one summed gradient per
-touched row, and runs each table's :class:`~overlap_optim.update.RowOptimizer`
+touched row, and runs each table's :class:`~overlap_optim.table_optimizer.RowOptimizer`
 (lazy: no gradient the size of a table is ever made, the cost follows the
 touched rows), or, for an optimizer that is not row-separable, its
-:class:`~overlap_optim.update.DenseTableOptimizer` (dense: the whole shard steps).
+:class:`~overlap_optim.table_optimizer.DenseTableOptimizer` (dense: the whole shard steps).
 In a gradient clipping set (:mod:`overlap_optim.clipping`), the summed row
 gradients are clipped first: by value at once, by norm at the end of backward.
 """
@@ -28,7 +28,7 @@ from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from overlap_optim.clipping import GradientClipping
-from overlap_optim.update import DenseTableOptimizer, RowOptimizer, TableOptimizer, step_tables, step_touched, sum_rows
+from overlap_optim.table_optimizer import DenseTableOptimizer, RowOptimizer, TableOptimizer, step_tables, step_touched, sum_rows
 from sharders import _private
 from sharders.kernels import Accumulation, BuildContext, KernelKind, LocalShard, TableKernel
 from sharders.pooling import is_pooled, unpooled_lookup, value_grads, variable_batch_lookup
@@ -108,7 +108,7 @@ class FallbackTable(TableKernel):
 
 
 class LazyTable(FallbackTable):
-    """torch.optim on the rows a batch touched (:class:`overlap_optim.update.RowOptimizer`)."""
+    """torch.optim on the rows a batch touched (:class:`overlap_optim.table_optimizer.RowOptimizer`)."""
 
     kind = KernelKind.LAZY
 
@@ -123,7 +123,7 @@ class LazyTable(FallbackTable):
 
 class DenseTable(FallbackTable):
     """torch.optim on the whole shard, untouched rows on a zero gradient
-    (:class:`overlap_optim.update.DenseTableOptimizer`)."""
+    (:class:`overlap_optim.table_optimizer.DenseTableOptimizer`)."""
 
     kind = KernelKind.DENSE
 

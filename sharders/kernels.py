@@ -129,11 +129,11 @@ _FAMILY = {
 class ShardState(Protocol):
     """The optimizer state of one local shard of a table, under torch.optim's names.
 
-    Implemented by the fallback's table optimizers (:mod:`overlap_optim.update`,
+    Implemented by the fallback's table optimizers (:mod:`overlap_optim.table_optimizer`,
     :mod:`sharders.cross_shard`) and by ``sharders.fbgemm.FusedShardState``.
     ``init_state`` makes placeholder state that the next step drops unless
     ``load_state`` replaced it: the placeholder rule of
-    :class:`overlap_optim.update.TableOptimizer`.
+    :class:`overlap_optim.table_optimizer.TableOptimizer`.
     """
 
     @property

@@ -14,7 +14,7 @@ import torch
 
 from overlap_optim import row_pass
 from overlap_optim.spec import AnnotationGroup, describe_optimizer
-from overlap_optim.update import RowOptimizer
+from overlap_optim.table_optimizer import RowOptimizer
 
 SETTINGS = {
     "adam": (torch.optim.Adam, {"lr": 0.05}),
@@ -74,7 +74,7 @@ def test_repeated_ids_are_summed_and_match_torch_optim_every_step(path, name):
 
 def _summed(ids, grads):
     """What the fallback gives a table without the one pass: unique ids, summed gradients."""
-    from overlap_optim.update import sum_rows
+    from overlap_optim.table_optimizer import sum_rows
 
     return sum_rows(ids, grads)
 

@@ -7,7 +7,7 @@ import torch
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from overlap_optim.spec import AnnotationGroup, describe_optimizer
-from overlap_optim.update import RowOptimizer
+from overlap_optim.table_optimizer import RowOptimizer
 
 CASES = [
     (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
