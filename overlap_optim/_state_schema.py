@@ -132,7 +132,7 @@ def agree(group: Any, failure: Exception | None, facts: Any = None) -> list[Any]
     dist.all_gather_object(gathered, local, group=group)
     for rank, (error, _) in enumerate(gathered):
         if error is not None:
-            cls = ValueError if error[0] == "ValueError" else RuntimeError
+            cls = {"ValueError": ValueError, "TypeError": TypeError}.get(error[0], RuntimeError)
             raise cls(f"{error[1]} (found on rank {rank})") from failure
     return [f for _, f in gathered]
 

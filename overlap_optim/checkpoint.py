@@ -20,6 +20,9 @@ sharding plan, another world size, or the unsharded model in one process:
 ``torch.distributed.checkpoint`` reads each rank's pieces from whatever pieces
 were saved. Under ``torch.distributed``, :func:`save` and :func:`load` are
 collectives: call them on every rank.
+
+:func:`from_torchrec` converts a stock TorchRec ``fused_optimizer.state_dict()``
+(FBGEMM's names, plan-dependent keys) into this form, for ``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -42,8 +45,9 @@ from overlap_optim import local_sgd
 from overlap_optim._state_schema import PLACEHOLDERS
 from overlap_optim._private import Shard, ShardedTensor, sharded_tensor_from_local_shards, sharded_tensor_process_group
 from overlap_optim.keyed import ddp_prefixes, unwrapped_name
+from overlap_optim.torchrec_checkpoint import from_torchrec
 
-__all__ = ["save", "load", "latest", "CheckpointError"]
+__all__ = ["save", "load", "latest", "CheckpointError", "from_torchrec"]
 
 # DCP reports read failures as CheckpointException, a BaseException.
 _READ_ERRORS = (Exception, CheckpointException)

@@ -312,6 +312,11 @@ class InBackwardOptimizer(KeyedOptimizer):
         for param in self._in_backward.values():
             drop_placeholder_state(param)
 
+    def annotation_groups(self) -> dict[str, AnnotationGroup]:
+        """Each parameter's annotation group, by key (its FQN), in ``params`` order."""
+        tables = {key: group for group in self._groups for key in self._table_keys_of.get(id(group), [])}
+        return {key: tables[key] if key in tables else self._in_backward[key]._overlap_group for key in self.params}
+
     def _keys_with_state(self) -> list[str]:
         """Keys whose state is real (not an init_state placeholder); a collective with sharded tables."""
         keys = [k for k, p in self._in_backward.items() if has_real_state(p)]
