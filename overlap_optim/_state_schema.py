@@ -22,6 +22,10 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 PLACEHOLDERS = "placeholders"
 
 
+# What FBGEMM's fused kernels call their optimizer state (TorchRec's fused_optimizer keeps the names).
+_FBGEMM_STATE = frozenset({"momentum1", "momentum2", "prev_iter", "row_counter"})
+
+
 class _Shape(tuple):
     """The expected shape of a state tensor (a plain tuple is a saved value)."""
 
@@ -63,10 +67,20 @@ def check_keys(
     missing = sorted(set(params) - saved)
     unexpected = sorted(saved - set(params))
     if missing or unexpected:
+        names = [n for s in state.values() if isinstance(s, Mapping) for n in s]
         raise ValueError(
             f"optimizer state does not match the model: missing keys {missing}, "
-            f"unexpected keys {unexpected}"
+            f"unexpected keys {unexpected}{stock_hint(unexpected + names)}"
         )
+
+
+def stock_hint(names: Any) -> str:
+    """A pointer to the converter when ``names`` (keys or state names) are FBGEMM's, as stock
+    TorchRec's ``fused_optimizer.state_dict()`` has them; else nothing."""
+    if any(str(n).rsplit(".", 1)[-1] in _FBGEMM_STATE for n in names):
+        return (". FBGEMM's state names: this is stock TorchRec's fused_optimizer.state_dict(); convert it "
+                "with overlap_optim.checkpoint.from_torchrec(state_dict, model, fused_params) (docs/migration.md)")
+    return ""
 
 
 def check_param_state(key: str, param: torch.Tensor, saved: Mapping[str, Any]) -> dict[str, Any]:
@@ -84,7 +98,7 @@ def check_param_state(key: str, param: torch.Tensor, saved: Mapping[str, Any]) -
     if set(saved) != set(expected):
         raise ValueError(
             f"optimizer mismatch for {key!r}: saved state names {sorted(saved)}, but its "
-            f"{cls} keeps {sorted(expected)}"
+            f"{cls} keeps {sorted(expected)}{stock_hint(saved)}"
         )
     copy = {}
     for name, value in saved.items():

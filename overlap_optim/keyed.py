@@ -214,6 +214,7 @@ class InBackwardOptimizer(KeyedOptimizer):
             raise ValueError(
                 f"the state dict differs across ranks: ranks {mismatched} hold other keys, state names or sharded "
                 "entries than rank 0; load the same state dict on every rank"
+                + _state_schema.stock_hint([n for s in new_state.values() for n in s])
             )
         # Entries split by another plan: every rank gathers each whole, in the same order.
         elsewhere = sorted({key for f in gathered for key in f[1]})

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from overlap_optim import _private
+from overlap_optim._state_schema import stock_hint
 from overlap_optim.spec import AnnotationGroup
 from sharders.kernels import LAYOUTS, LocalShard, TableKernel
 
@@ -140,7 +141,7 @@ class ShardedTables:
         if set(saved) != expected:
             raise ValueError(
                 f"{key}: the state dict holds state {sorted(saved)}, the table's "
-                f"{table.group.optimizer_class.__name__} keeps {sorted(expected)}"
+                f"{table.group.optimizer_class.__name__} keeps {sorted(expected)}{stock_hint(saved)}"
             )
         for name in table.row_names:
             shape = self._global_shape(table, name)

@@ -30,6 +30,7 @@ import io
 import os
 import tempfile
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -123,7 +124,8 @@ class Config:
     clip: tuple[str, str] | None = None  # ("norm" | "value", "tables" | "everything")
     micro: int = 1  # micro-batches per step (the first ones in no_step)
     schedule: bool = False  # a LambdaLR through get_optimizers, the same on each reference optimizer
-    # mid-run: "in_place", "torch_save", "other_plan" (overlap_optim.checkpoint), "one_rank" (the same,
+    # mid-run: "in_place", "rollback" (torch.save, a step more, then loaded back in place),
+    # "torch_save" (into fresh objects), "other_plan" (overlap_optim.checkpoint), "one_rank" (the same,
     # loaded into the model sharded for one rank, which trains on with the global batch); plain DCP:
     # "dcp" (fresh state dicts filled, then loaded), "dcp_other_plan" (dcp.load of the objects
     # themselves, under another plan), "state_dict_other_plan" (load_state_dict of the state dict
@@ -585,12 +587,25 @@ class Ours:
 
 
 def _checkpoint(ours: Ours, config: Config, weights: dict[str, torch.Tensor], dense: nn.Module,
-                bound: float | None, directory: str) -> Ours:
-    """The checkpoint of ``config`` taken mid-run; the objects that train on from it."""
+                bound: float | None, directory: str, again: Callable[[], None]) -> Ours:
+    """The checkpoint of ``config`` taken mid-run; the objects that train on from it. ``again``
+    trains ``ours`` one more step (what a rollback undoes)."""
     if config.checkpoint == "in_place":
         ours.keyed.load_state_dict(ours.keyed.state_dict())
         return ours
     scheduler_state = [s.state_dict() for s in ours.schedulers]
+    if config.checkpoint == "rollback":  # saved (torch.save), trained on, then loaded back in place
+        model_buffer, optim_buffer = io.BytesIO(), io.BytesIO()
+        torch.save(ours.dmp.state_dict(), model_buffer)
+        torch.save(ours.keyed.state_dict(), optim_buffer)
+        again()
+        model_buffer.seek(0)
+        optim_buffer.seek(0)
+        ours.dmp.load_state_dict(torch.load(model_buffer, weights_only=False))
+        ours.keyed.load_state_dict(torch.load(optim_buffer, weights_only=False))
+        for scheduler, state in zip(ours.schedulers, scheduler_state):
+            scheduler.load_state_dict(state)
+        return ours
     if config.checkpoint == "torch_save":
         model_buffer, optim_buffer = io.BytesIO(), io.BytesIO()
         torch.save(ours.dmp.state_dict(), model_buffer)
@@ -759,7 +774,8 @@ def run(rank: int, world_size: int, config: Config, directory: str, resume: bool
             _save_for_one_rank(ours, config, directory)
             break
         if config.checkpoint not in (None, "one_rank") and step == middle:
-            ours = _checkpoint(ours, config, weights, dense, bound, directory)
+            ours = _checkpoint(ours, config, weights, dense, bound, directory,
+                               lambda: ours.step([p[rank] for p in micro_batches(step + 1)]))
             _compare(ours, reference, diffs)
     moved = {n: (p.detach() - start[n]).abs().max().item() for n, p in reference.model.named_parameters()}
     return {"outcome": "exact", "diffs": diffs, "moved": moved, "noise": noise, "from_exact": from_exact,

@@ -22,7 +22,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 import overlap_optim
 from _models import ManySequenceModel, ManyTableModel, concat_batches, covering_batch, loss_of
-from _reshard_bodies import _local_snapshot
+from _reshard_bodies import _local_snapshot, _same
 from _sharded_parity import build, local_pieces
 from overlap_optim import checkpoint
 
@@ -206,8 +206,7 @@ def refused(rank, world_size):
         saved, matching, {"optimizer": EmbOptimType.EXACT_SGD, "weight_decay": 0.01}, annotations=stock_settings))
     out["unchanged"] = []
     for ours, keyed, before in snapshots:
-        after = _local_snapshot(ours, keyed)
-        same = before.keys() == after.keys() and all(torch.equal(v, after[k]) for k, v in before.items())
+        same = _same(before, _local_snapshot(ours, keyed))
         out["unchanged"].append(same)
     out["entries"] = [len(before) for _, _, before in snapshots]
     out["matching"] = _error(lambda: overlap_optim.get_optimizers(matching).load_state_dict(

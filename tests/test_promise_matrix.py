@@ -6,7 +6,7 @@ optimizer (fused, fallback, layer-wise, third-party), none, frozen, or dense sem
 touch every row or a third; weighted features, MEAN pooling, a table shared by two features; our DDP
 hook or the user's optimizer on the MLP; clipping by norm or value over a set, ``no_step``
 micro-batches, a scheduler, a checkpoint mid-run (in place, ``torch.save`` into fresh objects,
-``overlap_optim.checkpoint`` under another plan or on one rank, plain DCP under the same plan or another,
+``overlap_optim.checkpoint`` under another plan or on one rank, a rollback, plain DCP under the same plan or another,
 ``load_state_dict`` under another plan); a model built on meta (handed to DMP,
 materialized, or moved by ``to_empty``); VBE batches, declared; 1 or 2 ranks. Each example runs in the spawned
 group that the previous one left (:func:`overlap_optim.testing.run_cases`).
@@ -106,7 +106,7 @@ def configs(draw) -> Config:
         ])),
         dense_part=draw(st.sampled_from(["hook", "fsdp", "user", "user_ddp"])), clip=clip, micro=draw(st.sampled_from([1, 1, 2])),
         schedule=draw(st.booleans()),
-        checkpoint=draw(st.sampled_from([None, "in_place", "torch_save", "other_plan", "one_rank", "dcp",
+        checkpoint=draw(st.sampled_from([None, "in_place", "rollback", "torch_save", "other_plan", "one_rank", "dcp",
                                          "dcp_other_plan", "state_dict_other_plan"])),
         meta=draw(st.sampled_from([None] * 12 + ["dmp", "materialize", "to_empty"])), seed=draw(st.integers(0, 1000)),
         vbe="ec" not in collections and draw(st.sampled_from([False] * 4 + [True])),
@@ -231,6 +231,9 @@ def directory():
 @example(config=Config((T("t0", "ebc", 7, "row_wise", "adam"), T("t1", "ebc", 9, "column_wise", "lamb"),
                         T("t2", "ebc", 5, "table_wise", "sgd")), dense_part="user", micro=2,
                        clip=("norm", "tables"), checkpoint="dcp_other_plan"))
+@example(config=Config((T("t0", "ebc", 7, "row_wise", "adam"), T("s0", "ec", 9, "table_wise", "sgd_momentum"),
+                        T("t1", "ebc", 5, "column_wise", "lamb", dense=True)), schedule=True, dense_part="fsdp",
+                       checkpoint="rollback"))
 @example(config=Config((T("t0", "ebc", 7, "table_row_wise", "rowwise_adagrad"), T("s0", "ec", 9, "row_wise", "adam"),
                         T("s1", "ec", 5, "data_parallel", "sgd_momentum")), cover=False,
                        checkpoint="state_dict_other_plan"))

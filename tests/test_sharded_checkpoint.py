@@ -160,6 +160,7 @@ def test_a_stock_torchrec_state_dict_is_refused_alike_on_every_rank(two, case):
     errors = [out["error"] for out in two[case]]
     assert errors[0] != "no error" and errors[0] == errors[1], errors
     assert "optimizer state does not match the model" in errors[0] or "differs across ranks" in errors[0], errors
+    assert "convert it with overlap_optim.checkpoint.from_torchrec" in errors[0], errors
     assert all(out["unchanged"] for out in two[case])
 
 
