@@ -25,6 +25,8 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import _muon
+from torch.utils import _pytree
 from torch.utils.hooks import RemovableHandle
 
 __all__ = [
@@ -45,6 +47,15 @@ __all__ = [
     "fused",
     "fsdp_taken",
     "fsdp_uid",
+    "tree_leaves",
+    "tensor_version",
+    "MODULE_PARAMETERS",
+    "module_parameters",
+    "forward_pre_hooks",
+    "muon_orthogonalized",
+    "muon_adjusted_lr",
+    "saves_param_groups",
+    "DMP_WRAPPED",
     "Shard",
     "ShardedTensor",
     "ShardedTensorMetadata",
@@ -314,6 +325,115 @@ def _fsdp_contract() -> object:
     return probe
 
 
+# -- torch.nn.Module, tensors, pytrees --
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """The leaves of a nest of lists, tuples and dicts (a module's output), in order.
+
+    Private API: ``torch.utils._pytree.tree_leaves`` (torch's own nests, dataclasses of
+    registered types included; no public equivalent).
+    """
+    return _pytree.tree_leaves(tree)
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """``tensor``'s version counter: every in-place write bumps it. Private API: ``Tensor._version``."""
+    return tensor._version
+
+
+def _probe_version() -> int:
+    tensor = torch.zeros(1)
+    before = tensor._version
+    tensor.add_(1)
+    assert tensor._version > before, "Tensor._version no longer counts in-place writes"
+    return before
+
+
+# The key of an nn.Module's ``__dict__`` that holds its parameters by name (found there when all
+# one has is the dict). Private API: ``nn.Module._parameters``.
+MODULE_PARAMETERS = "_parameters"
+
+
+def module_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | None]:
+    """The dict ``module`` keeps its own parameters in, by name (None where one was set to None),
+    without its submodules'. Private API: ``nn.Module._parameters``."""
+    return module.__dict__[MODULE_PARAMETERS]
+
+
+def _probe_module_parameters() -> dict:
+    parameters = torch.nn.Linear(1, 1).__dict__[MODULE_PARAMETERS]
+    assert set(parameters) == {"weight", "bias"}, f"nn.Module._parameters holds {set(parameters)}"
+    return parameters
+
+
+def forward_pre_hooks(module: torch.nn.Module) -> list[Callable]:
+    """The forward pre-hooks registered on ``module``, in order. Private API:
+    ``nn.Module._forward_pre_hooks`` (no public accessor)."""
+    return list(module._forward_pre_hooks.values())
+
+
+def _probe_forward_pre_hooks() -> list:
+    module = torch.nn.Linear(1, 1)
+
+    def hook(*_: Any) -> None:
+        pass
+
+    module.register_forward_pre_hook(hook)
+    hooks = list(module._forward_pre_hooks.values())
+    assert hooks == [hook], "nn.Module._forward_pre_hooks no longer holds the registered hooks"
+    return hooks
+
+
+# -- Muon (torch.optim._muon) --
+
+
+def muon_orthogonalized(grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
+                        eps: float) -> torch.Tensor:
+    """Muon's Newton-Schulz orthogonalization of ``grad``, torch's own math (for the whole matrix
+    of a split table). Private API: ``torch.optim._muon._zeropower_via_newtonschulz``."""
+    return _muon._zeropower_via_newtonschulz(grad, coefficients, steps, eps)
+
+
+def muon_adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """Muon's learning rate for a matrix of ``shape``, torch's own rule. Private API:
+    ``torch.optim._muon._adjust_lr``."""
+    return _muon._adjust_lr(lr, adjust_lr_fn, shape)
+
+
+# -- TorchRec's KeyedOptimizer (the one TorchRec contract of the core) --
+
+
+def saves_param_groups(optimizer: Any) -> bool:
+    """Whether a TorchRec ``KeyedOptimizer`` puts its param groups in its state dict. Private:
+    ``KeyedOptimizer.defaults["_save_param_groups"]`` (set by ``save_param_groups``; a
+    ``CombinedOptimizer`` wants every optimizer it holds to agree)."""
+    return optimizer.defaults["_save_param_groups"]
+
+
+def _probe_save_param_groups() -> bool:
+    from torchrec.optim.keyed import KeyedOptimizer
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = KeyedOptimizer({"p": param}, {}, [{"params": [param]}])
+    optimizer.save_param_groups(True)
+    assert optimizer.defaults["_save_param_groups"] is True, "save_param_groups no longer sets the flag"
+    return saves_param_groups(optimizer)
+
+
+# The name under which TorchRec's ``DistributedModelParallel`` registers the module it wraps
+# (a plain string: the core does not import TorchRec's model parallel). Private API.
+DMP_WRAPPED = "_dmp_wrapped_module"
+
+
+def _probe_dmp_wrapped() -> str:
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    if DMP_WRAPPED not in DistributedModelParallel.__init__.__code__.co_names:
+        raise AttributeError(f"DistributedModelParallel no longer registers {DMP_WRAPPED}")
+    return DMP_WRAPPED
+
+
 PRIVATE_APIS: dict[str, Callable[[], object]] = {
     "torch.autograd.Variable._execution_engine.queue_callback": lambda: Variable._execution_engine.queue_callback,
     "torch._C._current_graph_task_id": lambda: torch._C._current_graph_task_id,
@@ -338,6 +458,14 @@ PRIVATE_APIS: dict[str, Callable[[], object]] = {
     "torch.distributed.fsdp FSDPState._fsdp_param_groups, FSDPParam._orig_param_uid, .sharded_param, _get_orig_param_uid": (
         _fsdp_contract
     ),
+    "torch.utils._pytree.tree_leaves": lambda: _pytree.tree_leaves,
+    "torch.Tensor._version": _probe_version,
+    "torch.nn.Module._parameters": _probe_module_parameters,
+    "torch.nn.Module._forward_pre_hooks": _probe_forward_pre_hooks,
+    "torch.optim._muon._zeropower_via_newtonschulz": lambda: _muon._zeropower_via_newtonschulz,
+    "torch.optim._muon._adjust_lr": lambda: _muon._adjust_lr,
+    "torchrec.optim.keyed.KeyedOptimizer.defaults['_save_param_groups']": _probe_save_param_groups,
+    "torchrec.distributed.model_parallel.DistributedModelParallel._dmp_wrapped_module": _probe_dmp_wrapped,
     **{f"torch._foreach_{op}": _foreach_entry(op) for op in _FOREACH_OPS},
     **{f"torch._fused_{op}": (lambda name=f"_fused_{op}": getattr(torch, name)) for op in _FUSED_OPS},
 }

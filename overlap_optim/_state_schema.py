@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+from overlap_optim import _private
+from overlap_optim._private import ShardedTensor
 
 # The state dict entry listing the keys whose state is a placeholder: state made so that a state
 # dict always carries every entry (a template that dcp.load fills in place), which a parameter
@@ -154,7 +156,7 @@ def agree(group: Any, failure: Exception | None, facts: Any = None) -> list[Any]
 def whole_tensor(value: ShardedTensor) -> torch.Tensor:
     """``value`` as one plain tensor on every rank of its process group (a collective): each rank
     contributes its local shards."""
-    group = value._process_group
+    group = _private.sharded_tensor_process_group(value)
     local = [(list(s.metadata.shard_offsets), s.tensor.detach().cpu()) for s in value.local_shards()]
     gathered: list[Any] = [local]
     if dist.is_initialized() and dist.get_world_size(group) > 1:

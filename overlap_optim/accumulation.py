@@ -34,7 +34,6 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils import _pytree
 
 from overlap_optim import _private, plans
 
@@ -83,7 +82,7 @@ class StepTracker:
         self.window_open = False
 
     def _hook_output(self, _module: nn.Module, _inputs: object, output: object) -> None:
-        for leaf in _pytree.tree_leaves(output):
+        for leaf in _private.tree_leaves(output):
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 leaf.register_hook(self._on_grad)
                 return

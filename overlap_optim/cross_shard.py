@@ -49,9 +49,9 @@ import sys
 from typing import Any
 
 import torch
-from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz  # Muon's own math, for MuonTable
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
+from overlap_optim import _private
 from overlap_optim.round import EndOfBackwardRound
 from overlap_optim.spec import AnnotationGroup, OptimizerSpec
 from overlap_optim.table_optimizer import DenseTableOptimizer
@@ -701,9 +701,10 @@ class MuonTable(CrossShardOptimizer):
     def complete(self, stats):
         h, shape = self.group.param_group, self.geometry.table_shape
         whole = stats.view(shape).to(self.weight.dtype)
-        ortho = _zeropower_via_newtonschulz(whole, h["ns_coefficients"], h["ns_steps"], h["eps"])
+        ortho = _private.muon_orthogonalized(whole, h["ns_coefficients"], h["ns_steps"], h["eps"])
         self.weight.mul_(1 - h["lr"] * h["weight_decay"])
-        self.weight.add_(self._block(ortho), alpha=-_adjust_lr(h["lr"], h["adjust_lr_fn"], torch.Size(shape)))
+        lr = _private.muon_adjusted_lr(h["lr"], h["adjust_lr_fn"], torch.Size(shape))
+        self.weight.add_(self._block(ortho), alpha=-lr)
 
     def _block(self, whole: torch.Tensor) -> torch.Tensor:
         """This shard's block of a table-shaped tensor."""

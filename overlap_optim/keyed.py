@@ -15,12 +15,12 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.types import ShardedModule
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
-from overlap_optim import _state_schema, plans
+from overlap_optim import _private, _state_schema, plans
+from overlap_optim._private import ShardedTensor
 from overlap_optim.accumulation import StepTracker, track_steps
 from overlap_optim.annotation import refuse_lost_meta_annotations
 from overlap_optim.fsdp import refuse_lost_annotations
@@ -427,14 +427,14 @@ def get_optimizers(model: torch.nn.Module) -> KeyedOptimizer:
         return in_backward
     # Modules sharded by another sharder keep TorchRec's plan-dependent keys.
     # CombinedOptimizer wants one policy for saving param groups: TorchRec's (off).
-    in_backward.save_param_groups(foreign[0][1].defaults["_save_param_groups"])
+    in_backward.save_param_groups(_private.saves_param_groups(foreign[0][1]))
     return CombinedOptimizer([*foreign, ("", in_backward)])
 
 
 def _check_before_forward(model: torch.nn.Module, optimizer: InBackwardOptimizer) -> None:
     """Before each forward of ``model``, :meth:`InBackwardOptimizer.refuse_unloaded_template` of
     every live keyed optimizer built for it (one hook per model, which holds them weakly)."""
-    hook = next((h for h in model._forward_pre_hooks.values() if hasattr(h, _WATCHED)), None)
+    hook = next((h for h in _private.forward_pre_hooks(model) if hasattr(h, _WATCHED)), None)
     if hook is None:
         optimizers: weakref.WeakSet = weakref.WeakSet()
 
@@ -492,7 +492,7 @@ def ddp_prefixes(model: torch.nn.Module) -> list[str]:
     """The name prefixes, ``<path>.module.``, of the DistributedDataParallel (sub)modules of ``model``."""
     prefixes = []
     for path, module in model.named_modules():
-        if isinstance(module, DistributedDataParallel) and path != "_dmp_wrapped_module":
+        if isinstance(module, DistributedDataParallel) and path != _private.DMP_WRAPPED:
             clean = unwrapped_path(path)  # DMP's own names are already clean
             prefixes.append(f"{clean}.module." if clean else "module.")
     return prefixes

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from overlap_optim import _private
+
 __all__ = ["remember", "recorded", "forget"]
 
 _RECORD = "_overlap_meta_params"  # in a module's __dict__: {parameter name: the meta parameter}
@@ -33,10 +35,10 @@ def remember(params: list[torch.Tensor]) -> None:
         return
     slots = [d for d in gc.get_referrers(*meta) if isinstance(d, dict)]
     for owner in gc.get_referrers(*slots):
-        if not (isinstance(owner, dict) and any(owner.get("_parameters") is s for s in slots)):
+        if not (isinstance(owner, dict) and any(owner.get(_private.MODULE_PARAMETERS) is s for s in slots)):
             continue
         record = owner.setdefault(_RECORD, {})
-        for name, value in owner["_parameters"].items():
+        for name, value in owner[_private.MODULE_PARAMETERS].items():
             if any(value is p for p in meta):
                 record[name] = value
 
@@ -47,7 +49,7 @@ def recorded(module: nn.Module) -> Iterator[tuple[str, torch.Tensor, torch.Tenso
     a sharder took the table)."""
     for path, sub in module.named_modules():
         for name, old in list(sub.__dict__.get(_RECORD, {}).items()):
-            now = sub._parameters.get(name)
+            now = _private.module_parameters(sub).get(name)
             if now is not old:
                 yield f"{path}.{name}" if path else name, old, now
 

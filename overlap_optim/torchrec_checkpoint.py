@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from overlap_optim import _private, _state_schema
+from overlap_optim._private import ShardedTensor
 from overlap_optim.keyed import InBackwardOptimizer, get_optimizers
 from overlap_optim.spec import AnnotationGroup, describe_optimizer
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from overlap_optim import _private
 from overlap_optim.accumulation import accumulating
 from overlap_optim.clipping import clipping_of
 from overlap_optim.spec import AnnotationGroup
@@ -240,7 +241,7 @@ def init_placeholder_state(param: torch.Tensor) -> None:
 def versions(state: dict[str, Any]) -> dict[str, int]:
     """The version counters of ``state``'s tensors: any in-place write (``dcp.load`` filling a
     state dict) bumps them."""
-    return {name: value._version for name, value in state.items() if isinstance(value, torch.Tensor)}
+    return {name: _private.tensor_version(value) for name, value in state.items() if isinstance(value, torch.Tensor)}
 
 
 def has_real_state(param: torch.Tensor) -> bool:

@@ -8,18 +8,21 @@ the functions here, so an upgrade that removes one breaks one function, and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbedding, BatchedDenseEmbeddingBag
+from torchrec.distributed.batched_embedding_kernel import (
+    BaseBatchedEmbedding, BatchedDenseEmbedding, BatchedDenseEmbeddingBag,
+)
 from torchrec.distributed.composable.table_batched_embedding_slice import TableBatchedEmbeddingSlice
-from torchrec.distributed.embedding import ShardedEmbeddingCollection
+from torchrec.distributed.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
 from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup, GroupedPooledEmbeddingsLookup
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -28,7 +31,9 @@ from torchrec.optim.keyed import CombinedOptimizer
 __all__ = [
     "PRIVATE_APIS", "BATCH_KEY", "WRAPPED", "lookups", "kernels_of_lookup", "kernels_of", "add_fused_optimizer", "sharded_weights",
     "wrapped_module", "DenseKernelLayout", "dense_kernel_layout", "slice_again", "ModelBeingSharded",
-    "model_being_sharded", "divide_only_row_split_means",
+    "model_being_sharded", "divide_only_row_split_means", "uses_index_dedup", "data_parallel_wrapper",
+    "reservation_percentage", "record_reservation", "replace_enumerator", "optimizer_classes_hidden",
+    "annotations_read_as", "comm_hook_left_to_us", "recast_kernel", "replace_lookup",
 ]
 
 # The name under which DistributedModelParallel registers the module it wraps.
@@ -165,7 +170,7 @@ def model_being_sharded() -> ModelBeingSharded | None:
         if frame.f_code is DistributedModelParallel._init_dmp.__code__:
             dmp = frame.f_locals["self"]
             return ModelBeingSharded(frame.f_locals["module"], dmp._plan, dict(dmp._sharder_map),
-                                     dmp._data_parallel_wrapper)
+                                     data_parallel_wrapper(dmp))
         frame = frame.f_back
     return None
 
@@ -189,6 +194,268 @@ def merge_dense_variable_batches_by_rank(sharded: nn.Module) -> None:
             return lookup._merge_variable_batch_embeddings(lookup._forward(groups), lookup._vbe_splits(groups))
 
         lookup.forward = forward
+
+
+def uses_index_dedup(sharder: Any) -> bool:
+    """Whether a TorchRec ``EmbeddingCollectionSharder`` deduplicates ids before the lookup.
+    Private: ``EmbeddingCollectionSharder._use_index_dedup`` (its ``use_index_dedup`` argument)."""
+    return sharder._use_index_dedup
+
+
+def data_parallel_wrapper(dmp: nn.Module) -> Any:
+    """What wraps the unsharded part of ``dmp`` after sharding (None before DMP set it). Private:
+    ``DistributedModelParallel._data_parallel_wrapper``."""
+    return getattr(dmp, "_data_parallel_wrapper", None)
+
+
+def reservation_percentage(reservation: Any) -> float:
+    """The share of each device a TorchRec ``FixedPercentageStorageReservation`` reserves. Private:
+    ``FixedPercentageStorageReservation._percentage``."""
+    return reservation._percentage
+
+
+# -- TorchRec objects edited in place: one function per edit, each probed on a real object --
+
+
+def record_reservation(reservation: Any, reserved: Any, dense: Any) -> None:
+    """Set what TorchRec's planner reads of a storage reservation after ``reserve``: the topology
+    left (its public ``last_reserved_topology`` returns it) and the dense part's ``Storage`` (its
+    stats). In place. Private: ``FixedPercentageStorageReservation._last_reserved_topology`` and
+    ``._dense_storage`` (read by ``EmbeddingShardingPlanner`` and its stats)."""
+    reservation._last_reserved_topology = reserved
+    reservation._dense_storage = dense
+
+
+def replace_enumerator(planner: Any, make: Callable[..., Any]) -> None:
+    """Give a TorchRec ``EmbeddingShardingPlanner`` the enumerator that ``make(topology=...,
+    batch_size=..., constraints=...)`` builds from the planner's own settings, as its constructor
+    filled them in (the default group's topology, TorchRec's batch size). In place. Private:
+    ``EmbeddingShardingPlanner._enumerator`` (what ``plan`` enumerates with), ``._topology``,
+    ``._batch_size``, ``._constraints``."""
+    planner._enumerator = make(
+        topology=planner._topology, batch_size=planner._batch_size, constraints=planner._constraints,
+    )
+
+
+@contextlib.contextmanager
+def optimizer_classes_hidden(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+    """While the block runs, ``tensors`` carry no ``_optimizer_classes``: TorchRec's storage
+    estimate reads ``tensor._optimizer_classes[0]`` for its optimizer multiplier, and adds none
+    without it. Put back afterwards. In place. Private: ``shard_estimators`` reading the
+    annotation of each sharding option's tensor."""
+    saved = {}
+    for tensor in tensors:
+        if "_optimizer_classes" in tensor.__dict__ and id(tensor) not in saved:
+            saved[id(tensor)] = (tensor, tensor.__dict__.pop("_optimizer_classes"))
+    try:
+        yield
+    finally:
+        for tensor, classes in saved.values():
+            tensor._optimizer_classes = classes
+
+
+@contextlib.contextmanager
+def annotations_read_as(weight_of: Callable[[str], torch.Tensor], fused_params: dict[str, dict]) -> Iterator[None]:
+    """While the block runs (TorchRec's ``shard``), the annotation of each table ``name`` of
+    ``fused_params`` reads as no optimizer class and ``fused_params[name]`` as its kwargs, which
+    TorchRec then hands to FBGEMM as the table's fused params. Put back afterwards (the weights
+    are looked up again with ``weight_of``). In place. Private: ``create_grouped_sharding_infos``
+    of TorchRec's sharded EBC and EC reading ``_optimizer_classes[0]`` and ``_optimizer_kwargs[0]``
+    of each table's parameter."""
+    names = ("_optimizer_classes", "_optimizer_kwargs")
+    saved = {}
+    for name, kwargs in fused_params.items():
+        weight = weight_of(name)
+        saved[name] = {a: weight.__dict__[a] for a in names if a in weight.__dict__}
+        weight._optimizer_classes = [None]
+        weight._optimizer_kwargs = [kwargs]
+    try:
+        yield
+    finally:
+        for name, attrs in saved.items():
+            weight = weight_of(name)
+            for attr in names:
+                weight.__dict__.pop(attr, None)
+            weight.__dict__.update(attrs)
+
+
+@contextlib.contextmanager
+def comm_hook_left_to_us(wrapper: Any) -> Iterator[str]:
+    """While the block runs (TorchRec's ``DefaultDataParallelWrapper.wrap``), the wrapper asks for
+    no compressed all-reduce, so TorchRec registers no comm hook of its own; yields what it asked
+    for (``"allreduce"`` when nothing), and puts it back afterwards. In place. Private:
+    ``DefaultDataParallelWrapper._allreduce_comm_precision``, read by its ``_ddp_wrap``."""
+    comm = wrapper._allreduce_comm_precision or "allreduce"
+    wrapper._allreduce_comm_precision = None
+    try:
+        yield comm
+    finally:
+        wrapper._allreduce_comm_precision = None if comm == "allreduce" else comm
+
+
+def recast_kernel(kernel: nn.Module, cls: type[nn.Module]) -> None:
+    """Make TorchRec's TBE kernel ``kernel`` an instance of ``cls``, a subclass of its class that
+    overrides methods only. In place: TorchRec's lookups build kernels from a closed switch with no
+    registry, and register the tables' parameters before a sharder sees them, so the object is
+    kept (weights, views and all) and only its class changes. Private: the lookup calls each kernel
+    of its ``_emb_modules`` as a module, so ``cls.forward`` runs."""
+    assert issubclass(cls, type(kernel)), f"{cls.__name__} does not subclass {type(kernel).__name__}"
+    kernel.__class__ = cls
+
+
+def replace_lookup(sharded: nn.Module, index: int, lookup: nn.Module) -> None:
+    """Make ``lookup`` the ``index``-th lookup of a sharded EBC or EC, in place, as TorchRec's own
+    ``init_data_parallel`` does when it wraps a data-parallel lookup in DDP. Private:
+    ``ShardedEmbeddingBagCollection._lookups`` (and the EC's), a list read at each forward."""
+    sharded._lookups[index] = lookup
+
+
+# -- probes of the in-place edits, on real objects (they need a process group of one rank) --
+
+
+def _probe_sharded(collection: str, sharding_type: str) -> nn.Module:
+    """A one-table EBC (``collection="ebc"``) or EC sharded by TorchRec's own sharder on this rank, in
+    dense kernels."""
+    import torch.distributed as dist
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, data_parallel, table_wise
+    from torchrec.distributed.types import ShardingEnv
+
+    config = {"name": "t", "embedding_dim": 2, "num_embeddings": 4, "feature_names": ["f"]}
+    if collection == "ebc":
+        module, sharder = EmbeddingBagCollection([EmbeddingBagConfig(**config)]), EmbeddingBagCollectionSharder()
+    else:
+        module, sharder = EmbeddingCollection([EmbeddingConfig(**config)]), EmbeddingCollectionSharder()
+    sharding = data_parallel() if sharding_type == "data_parallel" else table_wise(rank=0, compute_kernel="dense")
+    plan = construct_module_sharding_plan(module, per_param_sharding={"t": sharding}, local_size=1, world_size=1,
+                                          device_type="cpu", sharder=sharder)
+    return sharder.shard(module, plan, ShardingEnv.from_process_group(dist.group.WORLD), torch.device("cpu"))
+
+
+def _probe_features() -> Any:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    return KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=torch.tensor([0, 1]), lengths=torch.tensor([1, 1]))
+
+
+def _probe_replace_lookup() -> object:
+    for collection in ("ebc", "ec"):
+        sharded = _probe_sharded(collection, "data_parallel")
+        assert isinstance(sharded._lookups, list), f"{collection}: _lookups is a {type(sharded._lookups).__name__}"
+        assert isinstance(sharded._lookups[0], DistributedDataParallel), f"{collection}: no DDP-wrapped lookup"
+        called = []
+        inner = sharded._lookups[0].module
+
+        class Recording(nn.Module):
+            def forward(self, *args: Any) -> Any:
+                called.append(True)
+                return inner(*args)
+
+        replace_lookup(sharded, 0, Recording())
+        sharded(_probe_features())
+        assert called, f"{collection}: the sharded module no longer looks up through _lookups at each forward"
+    return replace_lookup
+
+
+def _probe_recast_kernel() -> object:
+    for collection, dense in (("ebc", BatchedDenseEmbeddingBag), ("ec", BatchedDenseEmbedding)):
+        sharded = _probe_sharded(collection, "table_wise")
+        kernel = next(kernel for _, kernel in kernels_of(sharded))
+        assert type(kernel) is dense, f"{collection}: TorchRec built a {type(kernel).__name__} for compute kernel dense"
+        called = []
+
+        class Recording(type(kernel)):
+            def forward(self, *args: Any) -> Any:
+                called.append(True)
+                return super().forward(*args)
+
+        recast_kernel(kernel, Recording)
+        sharded(_probe_features())
+        assert called, f"{collection}: the lookup no longer calls its kernels as modules"
+    return recast_kernel
+
+
+def _probe_annotations_read_as() -> object:
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+    from torchrec.distributed.types import ParameterSharding
+
+    config = {"name": "t", "embedding_dim": 2, "num_embeddings": 4, "feature_names": ["f"]}
+    sharding = {"t": ParameterSharding(sharding_type="table_wise", compute_kernel="fused", ranks=[0])}
+    cases = (  # (module, the attribute holding its tables, how TorchRec's sharded module reads the annotations)
+        (EmbeddingBagCollection([EmbeddingBagConfig(**config)]), "embedding_bags", lambda module: (
+            ShardedEmbeddingBagCollection.create_grouped_sharding_infos(module, sharding, "embedding_bags.", None))),
+        (EmbeddingCollection([EmbeddingConfig(**config)]), "embeddings", lambda module: (
+            ShardedEmbeddingCollection.create_grouped_sharding_infos(module, sharding, None))),
+    )
+    for module, tables, read in cases:
+        weight = getattr(module, tables)["t"].weight
+        weight._optimizer_classes, weight._optimizer_kwargs = [torch.optim.SGD], [{"lr": 0.1}]
+        with annotations_read_as(lambda name: getattr(module, tables)[name].weight, {"t": {BATCH_KEY: "probe"}}):
+            infos = read(module)
+        fused = [info.fused_params for group in infos.values() for info in group]
+        assert fused and fused[0].get(BATCH_KEY) == "probe" and "optimizer" not in fused[0], (
+            f"TorchRec's sharded {type(module).__name__} no longer takes a table's fused params from its "
+            f"annotation: {fused}")
+        assert weight._optimizer_classes == [torch.optim.SGD], "the annotation was not put back"
+    return annotations_read_as
+
+
+def _probe_optimizer_classes_hidden() -> object:
+    import torchrec.distributed.planner.shard_estimators as estimators
+
+    if "_optimizer_classes" not in estimators.calculate_shard_storages.__code__.co_consts:
+        raise AttributeError("TorchRec's storage estimate no longer reads the tensor's _optimizer_classes")
+    tensor = torch.nn.Parameter(torch.zeros(1))
+    tensor._optimizer_classes = [torch.optim.SGD]
+    with optimizer_classes_hidden([tensor]):
+        assert getattr(tensor, "_optimizer_classes", None) is None
+    assert tensor._optimizer_classes == [torch.optim.SGD]
+    return optimizer_classes_hidden
+
+
+def _probe_replace_enumerator() -> object:
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import Enumerator
+
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"))
+    assert isinstance(planner._enumerator, Enumerator), "EmbeddingShardingPlanner._enumerator is gone"
+    assert isinstance(planner._topology, Topology) and isinstance(planner._batch_size, int)
+    assert planner._constraints is None or isinstance(planner._constraints, dict)
+    if "_enumerator" not in inspect.unwrap(EmbeddingShardingPlanner.plan).__code__.co_names:
+        raise AttributeError("EmbeddingShardingPlanner.plan no longer enumerates with _enumerator")
+    made = []
+    replace_enumerator(planner, lambda **settings: made.append(settings) or planner._enumerator)
+    assert made == [{"topology": planner._topology, "batch_size": planner._batch_size, "constraints": None}]
+    return replace_enumerator
+
+
+def _probe_record_reservation() -> object:
+    from torchrec.distributed.planner import Topology
+    from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
+    from torchrec.distributed.planner.types import Storage
+
+    reservation = FixedPercentageStorageReservation(0.25)
+    assert reservation_percentage(reservation) == 0.25
+    topology = Topology(world_size=1, compute_device="cpu")
+    record_reservation(reservation, topology, Storage(hbm=0, ddr=1))
+    assert reservation.last_reserved_topology.world_size == 1, "last_reserved_topology no longer reads it"
+    _mentions("torchrec.distributed.planner.planners", "_dense_storage")
+    return record_reservation
+
+
+def _probe_comm_hook_left_to_us() -> object:
+    from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
+
+    wrapper = DefaultDataParallelWrapper(allreduce_comm_precision="bf16")
+    assert wrapper._allreduce_comm_precision == "bf16"
+    if "_allreduce_comm_precision" not in inspect.unwrap(DefaultDataParallelWrapper._ddp_wrap).__code__.co_names:
+        raise AttributeError("DefaultDataParallelWrapper._ddp_wrap no longer reads _allreduce_comm_precision")
+    with comm_hook_left_to_us(wrapper) as comm:
+        assert comm == "bf16" and wrapper._allreduce_comm_precision is None
+    assert wrapper._allreduce_comm_precision == "bf16"
+    return comm_hook_left_to_us
 
 
 # name -> a function that returns the private object (raises if it is gone). Instance
@@ -229,6 +496,20 @@ PRIVATE_APIS: dict[str, Callable[[], object]] = {
                                                                         "_data_parallel_wrapper"),
     "fused params key _batch_key (embedding_sharding.group_tables)": lambda: _mentions(
         "torchrec.distributed.embedding_sharding", BATCH_KEY),
+    "EmbeddingCollectionSharder._use_index_dedup": lambda: EmbeddingCollectionSharder()._use_index_dedup,
+    "FixedPercentageStorageReservation._percentage, ._last_reserved_topology, ._dense_storage (edited: "
+    "record_reservation)": _probe_record_reservation,
+    "EmbeddingShardingPlanner._enumerator, ._topology, ._batch_size, ._constraints (edited: replace_enumerator)":
+        _probe_replace_enumerator,
+    "shard_estimators reads tensor._optimizer_classes (edited: optimizer_classes_hidden)":
+        _probe_optimizer_classes_hidden,
+    "create_grouped_sharding_infos reads _optimizer_classes, _optimizer_kwargs (edited: annotations_read_as)":
+        _probe_annotations_read_as,
+    "DefaultDataParallelWrapper._allreduce_comm_precision (edited: comm_hook_left_to_us)":
+        _probe_comm_hook_left_to_us,
+    "the lookups call each kernel of _emb_modules (edited: recast_kernel)": _probe_recast_kernel,
+    "ShardedEmbeddingBagCollection._lookups, ShardedEmbeddingCollection._lookups (edited: replace_lookup)":
+        _probe_replace_lookup,
 }
 
 

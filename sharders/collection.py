@@ -246,22 +246,13 @@ class CollectionSharder:
         passes exactly what the table's kind asks for, and groups tables into
         kernels by their kind's :meth:`~sharders.kernels.TableKernel.batch_key`.
         """
-        saved = {}
+        fused_params = {}
         tokens: dict[Any, int] = {}  # numbered by first table: the same on every rank
         for name, table in tables.items():
-            weight = self.table_module(module, name).weight
-            saved[name] = {a: weight.__dict__[a] for a in ("_optimizer_classes", "_optimizer_kwargs") if a in weight.__dict__}
-            weight._optimizer_classes = [None]
             batch = {_private.BATCH_KEY: f"overlap_optim:{tokens.setdefault(table.batch_key(), len(tokens))}"}
-            weight._optimizer_kwargs = [{**table.fbgemm_kwargs(), **batch}]
-        try:
+            fused_params[name] = {**table.fbgemm_kwargs(), **batch}
+        with _private.annotations_read_as(lambda name: self.table_module(module, name).weight, fused_params):
             yield
-        finally:
-            for name, attrs in saved.items():
-                weight = self.table_module(module, name).weight
-                for attr in ("_optimizer_classes", "_optimizer_kwargs"):
-                    weight.__dict__.pop(attr, None)
-                weight.__dict__.update(attrs)
 
 
 def check_model(whole: _private.ModelBeingSharded, device_type: str) -> None:

@@ -138,12 +138,8 @@ class DataParallelWrapper(DefaultDataParallelWrapper):
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
         refuse_managed_collision(dmp.module)
         reattach_annotations(dmp.module, dmp.__dict__.pop(_RECORDED, {}))
-        comm = self._allreduce_comm_precision or "allreduce"
-        self._allreduce_comm_precision = None  # TorchRec would register its own compress hook
-        try:
+        with _private.comm_hook_left_to_us(self) as comm:  # else TorchRec registers its own compress hook
             super().wrap(dmp, env, device)
-        finally:
-            self._allreduce_comm_precision = None if comm == "allreduce" else comm
         wrapped = _private.wrapped_module(dmp)
         if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
             register_optimizer_hook(wrapped, comm=comm, local_sgd=self.local_sgd)
@@ -194,7 +190,7 @@ def _record_when_registered(wrapper: DataParallelWrapper):
         if (
             name == _private.WRAPPED
             and isinstance(parent, DistributedModelParallel)
-            and getattr(parent, "_data_parallel_wrapper", None) is owner()
+            and _private.data_parallel_wrapper(parent) is owner()
             and child is not None
         ):
             parent.__dict__[_RECORDED] = record_annotations(child, meta_only=True)

@@ -58,7 +58,7 @@ class EmbeddingCollectionSharder(CollectionSharder, _TorchRecSharder):
                 "EmbeddingCollectionSharder(variable_batch=True): batches with a variable batch size per feature "
                 "are built for EmbeddingBagCollections here; leave variable_batch off for an EmbeddingCollection"
             )
-        if self._use_index_dedup and device_type == "cpu":
+        if _private.uses_index_dedup(self) and device_type == "cpu":
             raise NotImplementedError(
                 "EmbeddingCollectionSharder(use_index_dedup=True) on CPU: TorchRec deduplicates ids with "
                 "fbgemm's jagged_unique_indices, which FBGEMM builds for CUDA only; leave use_index_dedup off on CPU"
@@ -69,7 +69,7 @@ class EmbeddingCollectionSharder(CollectionSharder, _TorchRecSharder):
         gathering rows (see the module doc)."""
         for _, kernel in _private.kernels_of(sharded):
             if type(kernel) is BatchedDenseEmbedding:  # not one our kinds took over
-                kernel.__class__ = GatheringDenseEmbedding
+                _private.recast_kernel(kernel, GatheringDenseEmbedding)
 
 
 class GatheringDenseEmbedding(BatchedDenseEmbedding):

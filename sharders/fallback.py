@@ -181,7 +181,7 @@ class RowUpdates:
             clipping: the gradient clipping set of the kernel's tables, or None.
             accumulation: the sharded module's ``no_step`` flag (None: never active).
         """
-        dense.__class__ = _FALLBACK_OF[type(dense)]
+        _private.recast_kernel(dense, _FALLBACK_OF[type(dense)])
         weights = dense.emb_module.split_embedding_weights()
         dense.row_updates = cls(dense, [make(w) for make, w in zip(tables, weights)], clipping, accumulation)
         return dense.row_updates

@@ -50,7 +50,7 @@ class FrozenTable(TableKernel):
         lookups = _private.lookups(context.sharded)
         for i, lookup in enumerate(lookups):
             if isinstance(lookup, DistributedDataParallel):
-                lookups[i] = _without_frozen(lookup, context)
+                _private.replace_lookup(context.sharded, i, _without_frozen(lookup, context))
         for table in tables:  # the weights no longer require grad: so their views say
             bag = context.table_module(table.table)
             weight = getattr(bag, "weight", None)

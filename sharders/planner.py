@@ -39,8 +39,6 @@ table in host memory (UVM).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -56,6 +54,7 @@ from torchrec.distributed.planner.types import PlannerError, ShardingOption, Sto
 from torchrec.distributed.sharding_plan import get_default_sharders
 
 from overlap_optim.spec import AnnotationGroup
+from sharders import _private
 from sharders.collection import CollectionSharder
 from sharders.kernels import TableKernel, kernel_class
 from sharders.optimizer_table import decide
@@ -88,9 +87,7 @@ class EmbeddingShardingPlanner(_TorchRecPlanner):
             kwargs["storage_reservation"] = DenseStorageReservation()
         super().__init__(*args, **kwargs)
         if own:
-            self._enumerator = FittingEnumerator(
-                topology=self._topology, batch_size=self._batch_size, constraints=self._constraints,
-            )
+            _private.replace_enumerator(self, FittingEnumerator)
 
 
     def collective_plan(self, module: nn.Module, sharders: list | None = None, pg: Any = None) -> Any:
@@ -156,7 +153,7 @@ class FittingEnumerator(EmbeddingEnumerator):
         """The kernel our sharder would run ``option`` in; the refusal message if it would refuse
         it; None for a module our sharders do not shard."""
         path, module = option.module
-        sharder = self._sharder_map.get(option.module_type_key) if hasattr(self, "_sharder_map") else None
+        sharder = self.sharder_map.get(option.module_type_key)
         if not isinstance(sharder, CollectionSharder):
             return None
         try:
@@ -190,20 +187,5 @@ class _WithoutOptimizerStorage(EmbeddingStorageEstimator):
     :class:`FittingEnumerator` adds the exact state."""
 
     def estimate(self, sharding_options: list[ShardingOption], sharder_data_map: Any = None) -> None:
-        with _optimizer_classes_hidden(sharding_options):
+        with _private.optimizer_classes_hidden(option.tensor for option in sharding_options):
             super().estimate(sharding_options, sharder_data_map)
-
-
-@contextlib.contextmanager
-def _optimizer_classes_hidden(options: list[ShardingOption]) -> Iterator[None]:
-    """TorchRec reads ``tensor._optimizer_classes[0]`` for its multiplier; without it, it adds none."""
-    saved = {}
-    for option in options:
-        tensor = option.tensor
-        if "_optimizer_classes" in tensor.__dict__ and id(tensor) not in saved:
-            saved[id(tensor)] = (tensor, tensor.__dict__.pop("_optimizer_classes"))
-    try:
-        yield
-    finally:
-        for tensor, classes in saved.values():
-            tensor._optimizer_classes = classes

@@ -31,6 +31,7 @@ from torchrec.distributed.planner.storage_reservations import FixedPercentageSto
 from torchrec.distributed.planner.types import PlannerError, PlannerErrorType, Storage, Topology
 from torchrec.distributed.planner.utils import sharder_name
 
+from sharders import _private
 from sharders.kernels import _bytes
 
 __all__ = ["DenseStorageReservation", "dense_bytes"]
@@ -83,16 +84,17 @@ class DenseStorageReservation(FixedPercentageStorageReservation):
             raise ValueError(f"DenseStorageReservation: unannotated_state must be at least 0, got {unannotated_state!r}")
         super().__init__(percentage)
         self._unannotated_state = unannotated_state
-        self._dense_storage: Storage | None = None  # read by TorchRec's planner for its logs
+        _private.record_reservation(self, None, None)  # TorchRec's planner reads them for its logs
 
     def reserve(self, topology: Topology, batch_size: int, module: nn.Module, sharders: list,
                 constraints: dict | None = None) -> Topology:
         reserved = super().reserve(topology, batch_size, module, sharders, constraints)
         size = dense_bytes(module, sharders, self._unannotated_state)
         on_host = topology.compute_device == "cpu"
-        self._dense_storage = Storage(hbm=0 if on_host else size, ddr=size if on_host else 0)
+        dense = Storage(hbm=0 if on_host else size, ddr=size if on_host else 0)
+        _private.record_reservation(self, reserved, dense)  # super().reserve recorded the same topology
         for device in reserved.devices:
-            device.storage -= self._dense_storage
+            device.storage -= dense
             if device.storage.hbm < 0 or device.storage.ddr < 0:
                 memory = "DDR" if on_host else "HBM"
                 left = (device.storage.ddr if on_host else device.storage.hbm) + size
@@ -101,8 +103,8 @@ class DenseStorageReservation(FixedPercentageStorageReservation):
                     message=f"the dense part needs {size} bytes of {memory} per rank (parameters, DDP's gradient "
                             f"buckets and optimizer state; sharders.dense_bytes) but rank {device.rank} has {left} "
                             "after the reservation's percentage")
-        self._last_reserved_topology = reserved
         return reserved
 
     def __repr__(self) -> Any:
-        return f"DenseStorageReservation(percentage={self._percentage}, unannotated_state={self._unannotated_state})"
+        percentage = _private.reservation_percentage(self)
+        return f"DenseStorageReservation(percentage={percentage}, unannotated_state={self._unannotated_state})"
