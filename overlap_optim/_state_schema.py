@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from overlap_optim import _private
 from overlap_optim._private import ShardedTensor
+from overlap_optim.record import group_of
 
 # The state dict entry listing the keys whose state is a placeholder: state made so that a state
 # dict always carries every entry (a template that dcp.load fills in place), which a parameter
@@ -96,7 +97,7 @@ def check_param_state(key: str, param: torch.Tensor, saved: Mapping[str, Any]) -
     if param.is_meta:
         raise ValueError(f"{key!r} is still on the meta device: materialize the model before loading")
     expected = _expected_state(param)
-    cls = param._overlap_group.optimizer_class.__name__
+    cls = group_of(param).optimizer_class.__name__
     if set(saved) != set(expected):
         raise ValueError(
             f"optimizer mismatch for {key!r}: saved state names {sorted(saved)}, but its "
@@ -123,7 +124,7 @@ def _expected_state(param: torch.Tensor) -> dict[str, Any]:
     """``name -> shape`` (tensors) or a non-tensor value, from the param's optimizer model."""
     return {
         name: _Shape(value) if isinstance(value, tuple) else value
-        for name, value in param._overlap_group.spec.state_shapes(param.shape).items()
+        for name, value in group_of(param).spec.state_shapes(param.shape).items()
     }
 
 

@@ -36,11 +36,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from overlap_optim import _private, plans
+from overlap_optim.record import group_of, module_record
 
 __all__ = ["no_step", "accumulating", "StepTracker", "track_steps"]
 
 _ACCUMULATING: dict[int, torch.Tensor] = {}  # id -> parameter, while its model is inside no_step
-_TRACKER = "_overlap_step_tracker"
 
 
 def accumulating(*params: torch.Tensor) -> bool:
@@ -93,9 +93,10 @@ class StepTracker:
 
 def track_steps(model: nn.Module) -> StepTracker:
     """The model's :class:`StepTracker`, made and hooked on the model's forward once."""
-    tracker = model.__dict__.get(_TRACKER)
+    found = module_record(model)
+    tracker = found.step_tracker
     if tracker is None:
-        tracker = model.__dict__[_TRACKER] = StepTracker()
+        tracker = found.step_tracker = StepTracker()
         model.register_forward_hook(tracker._hook_output)
     return tracker
 
@@ -127,7 +128,7 @@ def no_step(model: nn.Module) -> Iterator[None]:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"no_step takes an nn.Module, got {type(model).__name__}")
-    params = [p for p in model.parameters() if getattr(p, "_overlap_group", None) is not None]
+    params = [p for p in model.parameters() if group_of(p) is not None]
     planned = [m for m in model.modules() if plans.plan_of(m) is not None]
     if not params and not planned:
         raise ValueError(

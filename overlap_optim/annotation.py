@@ -18,6 +18,7 @@ import torch
 
 from overlap_optim import _private, meta_params
 from overlap_optim.clipping import GradientClipping, clipping_of, join_clipping, taken_by
+from overlap_optim.record import annotate, contract_of, group_of, record, record_of, set_live_optimizers
 from overlap_optim.spec import AnnotationGroup, OptimizerSpec, describe_optimizer, needs_closure
 from overlap_optim.update import live_optimizer, step_when_ready
 
@@ -129,7 +130,7 @@ def record_annotations(module: torch.nn.Module, *, meta_only: bool = False) -> R
     :func:`reattach_annotations`."""
     recorded = {}
     for name, param in module.named_parameters():
-        group, clip = getattr(param, "_overlap_group", None), clipping_of(param)
+        group, clip = group_of(param), clipping_of(param)
         if (group is not None or clip is not None) and (param.is_meta or not meta_only):
             recorded[name] = (param, group, clip)
     return recorded
@@ -146,13 +147,13 @@ def reattach_annotations(module: torch.nn.Module, recorded: Recorded) -> list[st
             param = module.get_parameter(name)
         except AttributeError:  # the sharder took it (an embedding table)
             continue
-        if param is old or getattr(param, "_overlap_group", None) is not None or clipping_of(param) is not None:
+        if param is old or group_of(param) is not None or clipping_of(param) is not None:
             continue
         if group is not None:
             _remove_hooks(old)
             # Its live optimizer refers back to it: without this, a cycle keeps the replaced
             # (unsharded, under FSDP2) parameter alive until the next garbage collection.
-            old._in_backward_optimizers = []
+            set_live_optimizers(old, [])
             _annotate(param, group)
         if clip is not None:
             clip.leave(old)
@@ -170,7 +171,7 @@ def carry_over(module: torch.nn.Module) -> list[str]:
     for fqn, old, now in list(meta_params.recorded(module)):
         meta_params.forget(module, fqn)
         if now is not None:
-            done += reattach_annotations(module, {fqn: (old, getattr(old, "_overlap_group", None), clipping_of(old))})
+            done += reattach_annotations(module, {fqn: (old, group_of(old), clipping_of(old))})
     return done
 
 
@@ -179,8 +180,8 @@ def refuse_lost_meta_annotations(module: torch.nn.Module, name: Callable[[str], 
     parameter and carries neither: where :func:`carry_over` came too late (a DDP that is not
     ours may hold it already)."""
     for fqn, old, now in meta_params.recorded(module):
-        if now is not None and getattr(now, "_overlap_group", None) is None and clipping_of(now) is None:
-            group = getattr(old, "_overlap_group", None)
+        if now is not None and group_of(now) is None and clipping_of(now) is None:
+            group = group_of(old)
             carried = group.spec.name if group else "a gradient clipping set"
             raise ValueError(
                 f"{name(fqn)!r} was annotated on the meta device ({carried}) "
@@ -201,25 +202,21 @@ def replace_step_hook(param: torch.Tensor, hook: Callable[[torch.Tensor], None])
     """Make ``hook`` (a post-accumulate-grad hook) what steps the annotated ``param`` in backward,
     instead of :func:`~overlap_optim.update.step_when_ready` stepping it alone; for a wrapper that
     steps parameters together (``overlap_optim.fsdp``)."""
-    assert getattr(param, "_overlap_group", None) is not None, "replace_step_hook on a parameter without annotation"
+    assert group_of(param) is not None, "replace_step_hook on a parameter without annotation"
     for handle in _private.pop_in_backward_hook_handles(param):
         handle.remove()
     _private.add_in_backward_hook_handle(param, param.register_post_accumulate_grad_hook(hook))
 
 
 def _annotate(param: torch.Tensor, group: AnnotationGroup) -> None:
-    old: AnnotationGroup | None = getattr(param, "_overlap_group", None)
+    old: AnnotationGroup | None = group_of(param)
     keep_state = (
         old is not None
         and old.optimizer_class is group.optimizer_class
         and _same_kwargs(old.optimizer_kwargs, group.optimizer_kwargs)
     )
     _remove_hooks(param)
-    param._optimizer_classes = [group.optimizer_class]
-    param._optimizer_kwargs = [dict(group.optimizer_kwargs)]
-    if not keep_state:
-        param._in_backward_optimizers = []
-    param._overlap_group = group
+    annotate(param, group, keep_optimizers=keep_state)
     group.param_group["params"].append(param)
     _ANNOTATED_UIDS[_private.fsdp_uid(param)] = f"{tuple(param.shape)} ({group.spec.name})"
     live_optimizer(param)
@@ -227,7 +224,7 @@ def _annotate(param: torch.Tensor, group: AnnotationGroup) -> None:
     # The same registry torch uses, so that DDP's lazy init finds and removes it.
     _private.add_in_backward_hook_handle(param, handle)
     # Not in that registry: it outlives DDP's removal, and says what went wrong.
-    param._overlap_guard = param.register_post_accumulate_grad_hook(_refuse_foreign_reduction)
+    record(param).guard = param.register_post_accumulate_grad_hook(_refuse_foreign_reduction)
 
 
 def _refuse_foreign_reduction(param: torch.Tensor) -> None:
@@ -240,7 +237,7 @@ def _refuse_foreign_reduction(param: torch.Tensor) -> None:
     handles = _private.in_backward_hook_handles(param)
     if handles and all(_private.hook_handle_alive(h) for h in handles):
         return
-    group = param._overlap_group
+    group = group_of(param)
     raise RuntimeError(
         f"a parameter of shape {tuple(param.shape)} annotated with {group.optimizer_class.__name__} is "
         "reduced by DistributedDataParallel without overlap_optim's hook: call "
@@ -251,16 +248,17 @@ def _refuse_foreign_reduction(param: torch.Tensor) -> None:
 
 def remove_guard(param: torch.Tensor) -> None:
     """Drop the check of :func:`_refuse_foreign_reduction` (our DDP hook now updates ``param``)."""
-    guard = param.__dict__.pop("_overlap_guard", None)
-    if guard is not None:
-        guard.remove()
+    found = record_of(param)
+    if found is not None and found.guard is not None:
+        found.guard.remove()
+        found.guard = None
 
 
 def _remove_hooks(param: torch.Tensor) -> None:
     for handle in _private.pop_in_backward_hook_handles(param):
         handle.remove()
     remove_guard(param)
-    old: AnnotationGroup | None = getattr(param, "_overlap_group", None)
+    old: AnnotationGroup | None = group_of(param)
     if old is not None:
         old.param_group["params"] = [p for p in old.param_group["params"] if p is not param]
 
@@ -391,15 +389,15 @@ def _check_not_annotated(
     if replace:
         return
     for i, p in enumerate(params):
-        classes = getattr(p, "_optimizer_classes", None)
-        if not classes:
+        contract = contract_of(p)
+        if contract is None:
             continue
-        old_kwargs = p._optimizer_kwargs[0]
-        if classes == [optimizer_class] and _same_kwargs(old_kwargs, kwargs):
+        old_class, old_kwargs = contract
+        if old_class is optimizer_class and _same_kwargs(old_kwargs, kwargs):
             continue
         raise ValueError(
             f"params[{i}] (shape {tuple(p.shape)}) is already annotated with "
-            f"{classes[0].__name__}({old_kwargs}); refusing to change it to "
+            f"{old_class.__name__}({old_kwargs}); refusing to change it to "
             f"{optimizer_class.__name__}({kwargs}). Pass replace=True to re-annotate."
         )
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -47,18 +46,15 @@ import torch.distributed as dist
 
 from overlap_optim import _private, meta_params
 from overlap_optim.accumulation import accumulating
+from overlap_optim.record import group_of, record, record_of
 from overlap_optim.round import EndOfBackwardRound, Phase
 
 __all__ = ["GradientClipping", "apply_gradient_clipping", "clipping_of", "mark_taken", "taken_by", "join_clipping"]
 
-_ATTR = "_overlap_clip"
-_TAKEN: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-_TAKEN_BY: dict[int, str] = {}
-
-
 def clipping_of(param: torch.Tensor) -> GradientClipping | None:
-    """The clipping set ``param`` belongs to, or None. The one accessor of the mark on a tensor."""
-    return param.__dict__.get(_ATTR)
+    """The clipping set ``param`` belongs to, or None (its record's)."""
+    found = record_of(param)
+    return None if found is None else found.clipping
 
 
 def join_clipping(param: torch.Tensor, clip: GradientClipping | None) -> None:
@@ -72,13 +68,13 @@ def mark_taken(params: Iterable[torch.Tensor], by: str) -> None:
     """Record that ``by`` (a DDP hook, a sharder) now runs ``params``' updates, so that clipping
     declared on them afterwards is refused with a clear error instead of being missed."""
     for param in params:
-        _TAKEN[id(param)] = param
-        _TAKEN_BY[id(param)] = by
+        record(param).taken_by = by
 
 
 def taken_by(param: torch.Tensor) -> str | None:
     """What runs ``param``'s update since :func:`mark_taken` (a DDP hook, a sharder), or None."""
-    return _TAKEN_BY[id(param)] if _TAKEN.get(id(param)) is param else None
+    found = record_of(param)
+    return None if found is None else found.taken_by
 
 
 class GradientClipping:
@@ -213,7 +209,7 @@ class GradientClipping:
         if self.local or _world() <= 1:
             return
         for param in self.params:
-            unannotated = getattr(param, "_overlap_group", None) is None and param.requires_grad
+            unannotated = group_of(param) is None and param.requires_grad
             if unannotated and id(param) not in self._replicated and not _is_shard(param):
                 raise ValueError(
                     f"gradient clipping: a parameter of shape {tuple(param.shape)} with no annotation is in the "
@@ -228,7 +224,7 @@ class GradientClipping:
         self.check_members()
         grads, replicated = [], []
         for param in self.params:
-            if param.grad is None or getattr(param, "_overlap_group", None) is not None:
+            if param.grad is None or group_of(param) is not None:
                 continue
             if _is_shard(param.grad):  # FSDP2: this rank's rows of the reduced gradient, its own
                 grads.append(param.grad.to_local())
@@ -264,10 +260,10 @@ class GradientClipping:
                 f"a parameter of shape {tuple(param.shape)} is already in another clipping set ({old!r}): "
                 "each parameter may be clipped by one set only"
             )
-        param.__dict__[_ATTR] = self
+        record(param).clipping = self
         if not any(p is param for p in self.params):
             self.params.append(param)
-        if getattr(param, "_overlap_group", None) is None and param.requires_grad:
+        if group_of(param) is None and param.requires_grad:
             # Unannotated: nothing steps it in backward; this hook only arms the round.
             param.register_post_accumulate_grad_hook(lambda p: None if accumulating(p) else self.arm())
 

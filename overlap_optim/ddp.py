@@ -10,6 +10,7 @@ from overlap_optim.annotation import carry_over, remove_guard
 from overlap_optim.clipping import GradientClipping, clipping_of, mark_taken
 from overlap_optim.comm_hooks import REDUCTIONS, OptimizerHookState, optimizer_hook
 from overlap_optim.local_sgd import QSR, AveragedModel
+from overlap_optim.record import group_of
 
 __all__ = ["register_optimizer_hook"]
 
@@ -54,7 +55,7 @@ def register_optimizer_hook(
     carry_over(ddp_model.module)
     targets, managed = {}, []
     for param in _private.ddp_managed_parameters(ddp_model):
-        if getattr(param, "_overlap_group", None) is None:
+        if group_of(param) is None:
             continue
         for handle in _private.pop_in_backward_hook_handles(param):
             handle.remove()
@@ -85,7 +86,7 @@ def _clips_of(params: list[torch.Tensor], local: bool) -> list[GradientClipping]
         if clip is None:
             continue
         clips.setdefault(id(clip), clip)
-        if getattr(param, "_overlap_group", None) is None:
+        if group_of(param) is None:
             clip.mark_replicated(param)
     if local:
         for clip in clips.values():
@@ -107,7 +108,7 @@ def _attach_local_sgd(sync: QSR, ddp_model: DistributedDataParallel, comm: str, 
             f"local_sgd with alpha={sync.alpha}: QSR reads the lr of the annotated DDP parameters, and this "
             "model has none; use alpha=0 for a constant period"
         )
-    kept = {name for p in annotated for name in (p._overlap_group.spec.state or {})}
+    kept = {name for p in annotated for name in (group_of(p).spec.state or {})}
     unknown = sorted(set(sync.average_state) - kept)
     if unknown:
         raise ValueError(

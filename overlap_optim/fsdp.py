@@ -42,14 +42,13 @@ from overlap_optim.annotation import (
 )
 from overlap_optim.clipping import clipping_of
 from overlap_optim.cross_shard import CrossShardOptimizer, Geometry, cross_shard_class, sharded_state_layouts
+from overlap_optim.record import group_of, record
 from overlap_optim.round import EndOfBackwardRound
 from overlap_optim.update import drop_placeholder_state, live_optimizer, set_state_maker, step_params
 from overlap_optim.virtual_groups import LocalState
 
 __all__ = ["fully_shard", "refuse_lost_annotations", "GroupStep", "CrossShardStep"]
 
-# On a parameter whose layer-wise optimizer steps across FSDP shards: its CrossShardStep.
-_CROSS_SHARD = "_overlap_fsdp_cross_shard"
 
 def fully_shard(module: nn.Module, *, mesh: Any = None, **kwargs: Any) -> nn.Module:
     """torch's ``fully_shard`` on every submodule of ``module`` that directly owns
@@ -97,8 +96,8 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, **kwargs: Any) -> nn.Mod
     _install_cross_shard(module, set(recorded))
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
-            annotated = [p for p in _managed(sub) if getattr(p, "_overlap_group", None) is not None
-                         and _CROSS_SHARD not in p.__dict__]
+            annotated = [p for p in _managed(sub) if group_of(p) is not None
+                         and record(p).cross_shard_step is None]
             if annotated:
                 group_step = GroupStep(annotated)
                 for param in annotated:
@@ -115,7 +114,7 @@ class CrossShardStep:
     row-sharded (element-wise) entries DTensors."""
 
     def __init__(self, param: DTensor, name: str, round_: EndOfBackwardRound) -> None:
-        group = param._overlap_group
+        group = group_of(param)
         implementation = cross_shard_class(group.optimizer_class, param.dim())
         mesh = param.device_mesh
         rows, local = param.shape[0], param.to_local().detach()  # the shard's own storage
@@ -155,13 +154,13 @@ def _install_cross_shard(module: nn.Module, names: set[str]) -> None:
     :class:`CrossShardStep`; all of them share one round: one all-reduce per step."""
     round_ = None
     for name, param in module.named_parameters():
-        group = getattr(param, "_overlap_group", None)
+        group = group_of(param)
         if name not in names or group is None or _elementwise_on_dim0(group.spec, param, False):
             continue
         if round_ is None:
             round_ = EndOfBackwardRound(param.device_mesh.get_group())
         step = CrossShardStep(param, name, round_)
-        param.__dict__[_CROSS_SHARD] = step
+        record(param).cross_shard_step = step
         replace_step_hook(param, step)
 
 
@@ -205,7 +204,7 @@ def refuse_lost_annotations(model: nn.Module) -> None:
     their optimizers would never run, and nothing would say so."""
     lost = [annotation_of_fsdp_uid(uid) for m in model.modules() if isinstance(m, FSDPModule)
             for uid, sharded in _private.fsdp_taken(m)
-            if annotation_of_fsdp_uid(uid) is not None and getattr(sharded, "_overlap_group", None) is None]
+            if annotation_of_fsdp_uid(uid) is not None and group_of(sharded) is None]
     if lost:
         raise RuntimeError(
             f"{len(lost)} annotated parameter(s) of shape {', '.join(lost[:5])} were sharded by torch's "

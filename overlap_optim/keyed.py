@@ -24,6 +24,7 @@ from overlap_optim._private import ShardedTensor
 from overlap_optim.accumulation import StepTracker, track_steps
 from overlap_optim.annotation import refuse_lost_meta_annotations
 from overlap_optim.fsdp import refuse_lost_annotations
+from overlap_optim.record import group_of, module_record
 from overlap_optim.spec import AnnotationGroup
 from overlap_optim.update import (
     drop_placeholder_state,
@@ -39,9 +40,6 @@ __all__ = ["get_optimizers", "unoptimized_parameters", "InBackwardOptimizer", "u
 
 # The group entry naming the optimizer class; it is metadata, not a hyperparameter.
 _CLASS_KEY = "optimizer"
-# On the forward pre-hook of a model: the keyed optimizers built for it, checked before its forward.
-_WATCHED = "_overlap_keyed_optimizers"
-
 
 class _LiveState(Mapping):
     """``param -> state dict`` read through to each live optimizer, so state
@@ -86,7 +84,7 @@ class InBackwardOptimizer(KeyedOptimizer):
         groups: dict[int, AnnotationGroup] = {}
         self._table_keys_of: dict[int, list[str]] = {}
         for param in params.values():
-            group = param._overlap_group
+            group = group_of(param)
             groups.setdefault(id(group), group)
         for path, t in self._sources:
             for key, group in t.groups():
@@ -316,7 +314,7 @@ class InBackwardOptimizer(KeyedOptimizer):
     def annotation_groups(self) -> dict[str, AnnotationGroup]:
         """Each parameter's annotation group, by key (its FQN), in ``params`` order."""
         tables = {key: group for group in self._groups for key in self._table_keys_of.get(id(group), [])}
-        return {key: tables[key] if key in tables else self._in_backward[key]._overlap_group for key in self.params}
+        return {key: tables[key] if key in tables else group_of(self._in_backward[key]) for key in self.params}
 
     def _keys_with_state(self) -> list[str]:
         """Keys whose state is real (not an init_state placeholder); a collective with sharded tables."""
@@ -412,8 +410,8 @@ def get_optimizers(model: torch.nn.Module) -> KeyedOptimizer:
     prefixes = ddp_prefixes(model)
     refuse_lost_meta_annotations(model, lambda fqn: unwrapped_name(unwrapped_path(fqn), prefixes))
     tables, foreign, annotated, bare = _discover(model)
-    if bare and getattr(model, "_overlap_warned_bare", None) != sorted(bare):
-        model._overlap_warned_bare = sorted(bare)  # once per model and set of parameters
+    if bare and module_record(model).warned_bare != sorted(bare):
+        module_record(model).warned_bare = sorted(bare)  # once per model and set of parameters
         warnings.warn(
             f"{len(bare)} trainable parameter(s) have no in-backward optimizer and are not updated by "
             f"get_optimizers(): {sorted(bare)}; overlap_optim.unoptimized_parameters(model) returns them "
@@ -434,17 +432,16 @@ def get_optimizers(model: torch.nn.Module) -> KeyedOptimizer:
 def _check_before_forward(model: torch.nn.Module, optimizer: InBackwardOptimizer) -> None:
     """Before each forward of ``model``, :meth:`InBackwardOptimizer.refuse_unloaded_template` of
     every live keyed optimizer built for it (one hook per model, which holds them weakly)."""
-    hook = next((h for h in _private.forward_pre_hooks(model) if hasattr(h, _WATCHED)), None)
-    if hook is None:
-        optimizers: weakref.WeakSet = weakref.WeakSet()
+    found = module_record(model)
+    if found.keyed_optimizers is None:
+        found.keyed_optimizers = weakref.WeakSet()
+        model.register_forward_pre_hook(_refuse_unloaded_templates)
+    found.keyed_optimizers.add(optimizer)
 
-        def hook(_module: torch.nn.Module, _inputs: Any) -> None:
-            for opt in list(optimizers):
-                opt.refuse_unloaded_template()
 
-        setattr(hook, _WATCHED, optimizers)
-        model.register_forward_pre_hook(hook)
-    getattr(hook, _WATCHED).add(optimizer)
+def _refuse_unloaded_templates(model: torch.nn.Module, _inputs: Any) -> None:
+    for optimizer in list(module_record(model).keyed_optimizers or ()):
+        optimizer.refuse_unloaded_template()
 
 
 def unoptimized_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -474,7 +471,7 @@ def _discover(model: torch.nn.Module) -> tuple[list, list, dict[str, torch.Tenso
     for name, param in unwrapped_parameters(model):
         if name in covered:
             continue
-        if getattr(param, "_overlap_group", None) is not None:
+        if group_of(param) is not None:
             annotated[name] = param
         elif param.requires_grad and param.numel() > 0:
             bare[name] = param

@@ -42,6 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from overlap_optim.record import group_of
+
 __all__ = ["QSR", "registered"]
 
 _REGISTERED: weakref.WeakSet = weakref.WeakSet()  # QSRs attached to a model
@@ -178,7 +180,7 @@ class AveragedModel:
         self.params, self.annotated, self.process_group = params, annotated, process_group
 
     def largest_lr(self) -> float:
-        groups = {id(p._overlap_group): p._overlap_group.param_group for p in self.annotated}
+        groups = {id(group_of(p)): group_of(p).param_group for p in self.annotated}
         return max((float(g["lr"]) for g in groups.values() if "lr" in g), default=0.0)
 
     @torch.no_grad()

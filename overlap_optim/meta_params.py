@@ -22,11 +22,9 @@ import torch
 from torch import nn
 
 from overlap_optim import _private
+from overlap_optim.record import module_record, module_record_of
 
 __all__ = ["remember", "recorded", "forget"]
-
-_RECORD = "_overlap_meta_params"  # in a module's __dict__: {parameter name: the meta parameter}
-
 
 def remember(params: list[torch.Tensor]) -> None:
     """Record each meta parameter of ``params`` on every module that holds it, under its name."""
@@ -37,7 +35,7 @@ def remember(params: list[torch.Tensor]) -> None:
     for owner in gc.get_referrers(*slots):
         if not (isinstance(owner, dict) and any(owner.get(_private.MODULE_PARAMETERS) is s for s in slots)):
             continue
-        record = owner.setdefault(_RECORD, {})
+        record = module_record(owner).meta_params
         for name, value in owner[_private.MODULE_PARAMETERS].items():
             if any(value is p for p in meta):
                 record[name] = value
@@ -48,7 +46,8 @@ def recorded(module: nn.Module) -> Iterator[tuple[str, torch.Tensor, torch.Tenso
     ``module`` whose parameter was replaced (the one there now is not meta: it may be None, where
     a sharder took the table)."""
     for path, sub in module.named_modules():
-        for name, old in list(sub.__dict__.get(_RECORD, {}).items()):
+        found = module_record_of(sub)
+        for name, old in list(found.meta_params.items() if found is not None else ()):
             now = _private.module_parameters(sub).get(name)
             if now is not old:
                 yield f"{path}.{name}" if path else name, old, now
@@ -57,4 +56,6 @@ def recorded(module: nn.Module) -> Iterator[tuple[str, torch.Tensor, torch.Tenso
 def forget(module: nn.Module, fqn: str) -> None:
     """Drop the record at ``fqn`` of ``module``."""
     path, _, name = fqn.rpartition(".")
-    module.get_submodule(path).__dict__.get(_RECORD, {}).pop(name, None)
+    found = module_record_of(module.get_submodule(path))
+    if found is not None:
+        found.meta_params.pop(name, None)

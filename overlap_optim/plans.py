@@ -14,12 +14,10 @@ from typing import Any, Protocol
 
 import torch
 
+from overlap_optim.record import module_record, module_record_of
 from overlap_optim.spec import AnnotationGroup
 
 __all__ = ["ModulePlan", "TableStates", "install_plan", "plan_of"]
-
-_ATTR = "_overlap_plan"
-
 
 class TableStates(Protocol):
     """The optimizer state of a sharded module's tables, keyed relative to the module."""
@@ -52,11 +50,12 @@ class ModulePlan(Protocol):
 
 def install_plan(module: torch.nn.Module, plan: ModulePlan) -> None:
     """Install ``plan`` on the sharded ``module``; once."""
-    if _ATTR in module.__dict__:
+    if plan_of(module) is not None:
         raise RuntimeError(f"{type(module).__name__} already has a plan installed")
-    module.__dict__[_ATTR] = plan
+    module_record(module).plan = plan
 
 
 def plan_of(module: torch.nn.Module) -> Any | None:
     """The plan a sharder installed on ``module``, or None for any other module."""
-    return module.__dict__.get(_ATTR)
+    found = module_record_of(module)
+    return None if found is None else found.plan

@@ -29,6 +29,7 @@ import torch
 from overlap_optim import _private
 from overlap_optim.accumulation import accumulating
 from overlap_optim.clipping import clipping_of
+from overlap_optim.record import group_of, live_optimizers, record, record_of, set_live_optimizers
 from overlap_optim.spec import AnnotationGroup
 from overlap_optim.fused import applies as fused_applies
 from overlap_optim.virtual_groups import VirtualKey, fused_kernel_step, multi_tensor_step, virtual_key
@@ -39,18 +40,13 @@ __all__ = [
     "set_state_maker", "versions",
 ]
 
-# The one mark on a parameter whose state init_state() made and nothing was loaded over: the
-# version counters of its state tensors then (see placeholder_written).
-_PLACEHOLDER = "_overlap_placeholder_state"
-# On a parameter that its live optimizer's step does not update: what makes its fresh state.
-_STATE_MAKER = "_overlap_state_maker"
 
 
 def set_state_maker(param: torch.Tensor, make: Callable[[], None]) -> None:
     """For a parameter whose update is not its live optimizer's ``step`` (a layer-wise optimizer
     across FSDP shards): ``make()`` creates its fresh state in its live optimizer, where
     :func:`init_placeholder_state` would otherwise step that optimizer on a zero gradient."""
-    param.__dict__[_STATE_MAKER] = make
+    record(param).state_maker = make
 
 
 def step_when_ready(param: torch.Tensor) -> None:
@@ -98,7 +94,7 @@ class StepPlan:
         self._plan()
 
     def _plan(self) -> None:
-        self._groups = [p._overlap_group for p in self.params]
+        self._groups = [group_of(p) for p in self.params]
         first: dict[int, torch.Tensor] = {}  # annotation group -> one of its parameters, for check_live
         alone: dict[tuple[int, str], list[int]] = {}  # (annotation group, how) -> its parameters in no virtual group
         sets: dict[VirtualKey, list[int]] = {}
@@ -159,7 +155,7 @@ def _planned_as(group: AnnotationGroup, param: torch.Tensor) -> VirtualKey | str
 
 
 def _in_group(param: torch.Tensor, group: AnnotationGroup) -> bool:
-    return param._overlap_group is group
+    return group_of(param) is group
 
 
 def _steps_together(group: AnnotationGroup) -> bool:
@@ -174,7 +170,7 @@ def _step_together(members: list[torch.Tensor]) -> None:
     with ``foreach``/``fused`` steps a param group. Each tensor's state stays its own live
     optimizer's: the stepping optimizer reads and writes those very dicts, linked anew at every
     step (a checkpoint load replaces them)."""
-    group = members[0]._overlap_group
+    group = group_of(members[0])
     key = tuple(id(p) for p in members)
     optimizer = group.together.get(key)
     if optimizer is None:  # the tensors stay alive while it holds them: their ids stay theirs
@@ -188,14 +184,14 @@ def _step_together(members: list[torch.Tensor]) -> None:
 
 def live_optimizer(param: torch.Tensor) -> torch.optim.Optimizer | None:
     """The param's live optimizer, created on first use; None while on meta."""
-    optimizers = getattr(param, "_in_backward_optimizers", None)
+    optimizers = live_optimizers(param)
     if optimizers:
         return optimizers[0]
-    group: AnnotationGroup | None = getattr(param, "_overlap_group", None)
+    group: AnnotationGroup | None = group_of(param)
     if group is None or param.is_meta:
         return None
     optimizer = group.spec.make([param])
-    param._in_backward_optimizers = [optimizer]
+    set_live_optimizers(param, [optimizer])
     return optimizer
 
 
@@ -206,13 +202,13 @@ def step_param(param: torch.Tensor) -> None:
     assert optimizer is not None, "step_param on a parameter without a live optimizer"
     check_live(param)
     _real_state(param, optimizer)
-    param._overlap_group.step(optimizer, param)
+    group_of(param).step(optimizer, param)
     param.grad = None
 
 
 def check_live(param: torch.Tensor) -> None:
     """Refuse a fixed (non-float) setting of ``param``'s group changed since annotation."""
-    group = param._overlap_group
+    group = group_of(param)
     group.spec.check_live(
         group.param_group,
         lambda: f"a parameter of shape {tuple(param.shape)} in param group {group.order} ({group.spec.name})")
@@ -225,17 +221,17 @@ def init_placeholder_state(param: torch.Tensor) -> None:
     optimizer = live_optimizer(param)
     if optimizer is None or optimizer.state.get(param):
         return
-    make = param.__dict__.get(_STATE_MAKER)
+    make = record(param).state_maker
     if make is not None:
         make()
     else:
         kept = param.detach().clone()
         param.grad = torch.zeros_like(param)
-        param._overlap_group.step(optimizer, param)
+        group_of(param).step(optimizer, param)
         with torch.no_grad():
             param.copy_(kept)
         param.grad = None
-    param.__dict__[_PLACEHOLDER] = versions(optimizer.state.get(param, {}))
+    record(param).placeholder = versions(optimizer.state.get(param, {}))
 
 
 def versions(state: dict[str, Any]) -> dict[str, int]:
@@ -247,13 +243,13 @@ def versions(state: dict[str, Any]) -> dict[str, int]:
 def has_real_state(param: torch.Tensor) -> bool:
     """Whether ``param`` has optimizer state that is not an :func:`init_placeholder_state` placeholder."""
     optimizer = live_optimizer(param)
-    return bool(optimizer is not None and optimizer.state.get(param)) and _PLACEHOLDER not in param.__dict__
+    return bool(optimizer is not None and optimizer.state.get(param)) and _placeholder(param) is None
 
 
 def placeholder_written(param: torch.Tensor) -> bool:
     """Whether ``param``'s placeholder state was written in place since :func:`init_placeholder_state`
     made it (by ``dcp.load``, say) without :func:`load_param_state`: a load that would be lost."""
-    made = param.__dict__.get(_PLACEHOLDER)
+    made = _placeholder(param)
     optimizer = live_optimizer(param)
     return made is not None and optimizer is not None and versions(optimizer.state.get(param, {})) != made
 
@@ -272,7 +268,7 @@ def param_restore_point(param: torch.Tensor) -> Callable[[], None]:
     rebinds the state, never writes it: holding it is enough)."""
     optimizer = live_optimizer(param)
     state = None if optimizer is None else optimizer.state.get(param)
-    mark = param.__dict__.get(_PLACEHOLDER)
+    mark = _placeholder(param)
 
     def restore() -> None:
         if optimizer is None:
@@ -280,9 +276,7 @@ def param_restore_point(param: torch.Tensor) -> Callable[[], None]:
         optimizer.state.pop(param, None)
         if state is not None:
             optimizer.state[param] = state
-        param.__dict__.pop(_PLACEHOLDER, None)
-        if mark is not None:
-            param.__dict__[_PLACEHOLDER] = mark
+        record(param).placeholder = mark
     return restore
 
 
@@ -292,12 +286,12 @@ def load_param_state(param: torch.Tensor, state: dict[str, Any]) -> None:
     optimizer.state.pop(param, None)
     if state:
         optimizer.state[param] = state
-    param.__dict__.pop(_PLACEHOLDER, None)
+    _take_placeholder(param)
 
 
 def _real_state(param: torch.Tensor, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The param's state, after dropping a placeholder that nothing was loaded over."""
-    if param.__dict__.pop(_PLACEHOLDER, None) is not None:
+    if _take_placeholder(param):
         optimizer.state.pop(param, None)
     return optimizer.state[param]
 
@@ -306,9 +300,24 @@ def _real_states(params: list[torch.Tensor]) -> list[dict[str, Any]]:
     """:func:`_real_state` of each of ``params`` in its live optimizer (about 1 us a tensor less)."""
     states = []
     for param in params:
-        optimizers = param.__dict__.get("_in_backward_optimizers")
+        optimizers = live_optimizers(param)
         optimizer = optimizers[0] if optimizers else live_optimizer(param)
-        if param.__dict__.pop(_PLACEHOLDER, None) is not None:
+        if _take_placeholder(param):
             optimizer.state.pop(param, None)
         states.append(optimizer.state[param])
     return states
+
+
+def _placeholder(param: torch.Tensor) -> dict[str, int] | None:
+    """The placeholder mark of ``param`` (its state's versions when init_state made it), or None."""
+    found = record_of(param)
+    return None if found is None else found.placeholder
+
+
+def _take_placeholder(param: torch.Tensor) -> bool:
+    """Clear ``param``'s placeholder mark; whether it had one."""
+    found = record_of(param)
+    if found is None or found.placeholder is None:
+        return False
+    found.placeholder = None
+    return True

@@ -50,6 +50,7 @@ from torchrec.distributed.types import ParameterSharding, ShardedModule, Shardin
 from overlap_optim import plans
 from overlap_optim.annotation import carry_over
 from overlap_optim.clipping import clipping_of, mark_taken
+from overlap_optim.record import group_of
 from overlap_optim.round import EndOfBackwardRound, arm_in_backward
 from overlap_optim.spec import AnnotationGroup
 from sharders import _private
@@ -285,7 +286,7 @@ def _check_meta_dense(whole: _private.ModelBeingSharded, modules: list) -> None:
         return
     sharded = {id(p) for _, _, module, _ in modules for p in module.parameters()}
     for name, param in whole.root.named_parameters():
-        carries = getattr(param, "_overlap_group", None) is not None or clipping_of(param) is not None
+        carries = group_of(param) is not None or clipping_of(param) is not None
         if param.is_meta and carries and id(param) not in sharded:
             raise ValueError(
                 f"{name!r} is annotated (or clipped) on the meta device, and the data_parallel_wrapper "
@@ -361,7 +362,7 @@ def _with_kernel(sharding: ParameterSharding, table: TableKernel | None) -> Para
 
 
 def _leave_group(weight: torch.Tensor) -> None:
-    group = getattr(weight, "_overlap_group", None)
+    group = group_of(weight)
     if group is not None:
         params = group.param_group["params"]
         params[:] = [p for p in params if p is not weight]

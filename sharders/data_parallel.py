@@ -31,6 +31,7 @@ from overlap_optim.clipping import join_clipping
 from overlap_optim.comm_hooks import OptimizerHookState
 from overlap_optim.ddp import install_optimizer_hook, register_optimizer_hook
 from overlap_optim.local_sgd import QSR
+from overlap_optim.record import annotate, module_record, set_live_optimizers
 from overlap_optim.spec import AnnotationGroup
 from sharders import _private
 from sharders.kernels import BuildContext, KernelKind, TableKernel
@@ -95,15 +96,9 @@ def _table_views(kernel: nn.Module) -> Iterator[tuple[str, Any]]:
 
 def _attach(weight: torch.Tensor, group: AnnotationGroup) -> None:
     """Give a sharded table's parameter a live optimizer that a hook steps (no grad hook)."""
-    weight._optimizer_classes = [group.optimizer_class]
-    weight._optimizer_kwargs = [dict(group.optimizer_kwargs)]
-    weight._overlap_group = group
-    weight._in_backward_optimizers = [group.spec.make([weight])]
+    annotate(weight, group)
+    set_live_optimizers(weight, [group.spec.make([weight])])
     group.param_group["params"].append(weight)
-
-# Where DistributedModelParallel keeps the annotations of the meta parameters it will replace.
-_RECORDED = "_overlap_meta_annotations"
-
 
 class DataParallelWrapper(DefaultDataParallelWrapper):
     """What ``DistributedModelParallel(data_parallel_wrapper=...)`` takes.
@@ -137,7 +132,7 @@ class DataParallelWrapper(DefaultDataParallelWrapper):
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
         refuse_managed_collision(dmp.module)
-        reattach_annotations(dmp.module, dmp.__dict__.pop(_RECORDED, {}))
+        reattach_annotations(dmp.module, _take_recorded(dmp))
         with _private.comm_hook_left_to_us(self) as comm:  # else TorchRec registers its own compress hook
             super().wrap(dmp, env, device)
         wrapped = _private.wrapped_module(dmp)
@@ -174,7 +169,7 @@ class FullyShardWrapper(TorchRecDataParallelWrapper):
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
         refuse_managed_collision(dmp.module)
-        reattach_annotations(dmp.module, dmp.__dict__.pop(_RECORDED, {}))
+        reattach_annotations(dmp.module, _take_recorded(dmp))
         module = _private.wrapped_module(dmp)
         if isinstance(module, torch.distributed.fsdp.FSDPModule):
             return
@@ -193,8 +188,16 @@ def _record_when_registered(wrapper: DataParallelWrapper):
             and _private.data_parallel_wrapper(parent) is owner()
             and child is not None
         ):
-            parent.__dict__[_RECORDED] = record_annotations(child, meta_only=True)
+            module_record(parent).meta_annotations = record_annotations(child, meta_only=True)
 
     handle = nn.modules.module.register_module_module_registration_hook(hook)
     weakref.finalize(wrapper, handle.remove)
     return handle
+
+
+def _take_recorded(dmp: nn.Module) -> dict[str, Any]:
+    """The annotations of the meta parameters that DistributedModelParallel replaced, recorded on
+    it before its init, once."""
+    found = module_record(dmp)
+    recorded, found.meta_annotations = found.meta_annotations or {}, None
+    return recorded

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from overlap_optim.keyed import unwrapped_path
+from overlap_optim.record import live_optimizers
 from sharders._private import kernels_of
 from sharders.kernels import TableKernel
 from sharders.plan import plan_of
@@ -62,7 +63,7 @@ def _state_of(module: nn.Module, plan, table: TableKernel, config) -> dict:
         if piece.metadata is config.local_metadata:
             return {k: v for k, v in piece.state.state.items() if k in piece.state.row_state or torch.is_tensor(v)}
     weight = getattr(getattr(module, plan.state.tables_attr)[table.table], "weight", None)
-    optimizers = getattr(weight, "_in_backward_optimizers", [])  # data-parallel: the weight's own optimizer
+    optimizers = (live_optimizers(weight) or []) if weight is not None else []  # data-parallel: its own
     return dict(optimizers[0].state.get(weight, {})) if optimizers and hasattr(optimizers[0], "state") else {}
 
 

@@ -28,6 +28,7 @@ from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from overlap_optim.clipping import GradientClipping
+from overlap_optim.record import live_optimizers, set_live_optimizers
 from overlap_optim.table_optimizer import DenseTableOptimizer, RowOptimizer, TableOptimizer, step_tables, step_touched, sum_rows
 from sharders import _private
 from sharders.kernels import Accumulation, BuildContext, KernelKind, LocalShard, TableKernel
@@ -83,8 +84,8 @@ class FallbackTable(TableKernel):
         then sees each key once."""
         for table in tables:
             weight = context.table_module(table.table).weight
-            if not hasattr(weight, "_in_backward_optimizers"):
-                weight._in_backward_optimizers = [EmptyFusedOptimizer()]
+            if live_optimizers(weight) is None:
+                set_live_optimizers(weight, [EmptyFusedOptimizer()])
 
     def check_live(self) -> None:
         self.group.spec.check_live(self.group.param_group, f"table {self.table!r}")

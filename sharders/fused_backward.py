@@ -36,18 +36,17 @@ import torch
 from torch import nn
 
 from overlap_optim.clipping import GradientClipping
+from overlap_optim.record import module_record, module_record_of
 from sharders.fused_clipping import row_partial_norm
 from sharders.kernels import Accumulation
 from sharders.pooling import Lookup, concatenate_lookups
 
 __all__ = ["HeldBackward", "held_backward_of"]
 
-_ATTR = "_overlap_held_backward"
-
-
 def held_backward_of(emb: nn.Module) -> HeldBackward | None:
     """The :class:`HeldBackward` installed on a fused TBE module, or None."""
-    return emb.__dict__.get(_ATTR)
+    found = module_record_of(emb)
+    return None if found is None else found.held_backward
 
 
 class HeldBackward:
@@ -74,7 +73,7 @@ class HeldBackward:
         self._signature = inspect.signature(emb.forward)
         self._anchor = torch.zeros(0, requires_grad=True)  # makes the output require grad, gets none
         emb.register_forward_hook(self._detach, with_kwargs=True)
-        emb.__dict__[_ATTR] = self
+        module_record(emb).held_backward = self
 
     def held_bytes(self) -> int:
         """Bytes the open window holds: each micro-batch's ids, offsets, weights and output gradient."""

@@ -32,6 +32,7 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from overlap_optim.clipping import GradientClipping, clipping_of
+from overlap_optim.record import contract_of, group_of
 from overlap_optim.spec import AnnotationGroup, OptimizerSpec, describe_optimizer, needs_closure
 from overlap_optim.cross_shard import cross_shard_class
 from sharders.kernels import COLUMN_SPLITTING, ROW_SPLITTING, KernelChoice, KernelKind, TableDecision
@@ -313,13 +314,13 @@ def annotation_of(
     Tables that torch's function annotated with equal settings share one group
     per ``torch_made`` dict (that function does not record which call made what).
     """
-    group = getattr(weight, "_overlap_group", None)
+    group = group_of(weight)
     if group is not None:
         return group
-    classes = getattr(weight, "_optimizer_classes", None)
-    if not classes or classes[0] is None:
+    contract = contract_of(weight)
+    if contract is None or contract[0] is None:
         return None
-    cls, kwargs = classes[0], dict(weight._optimizer_kwargs[0])
+    cls, kwargs = contract
     made = {} if torch_made is None else torch_made
     label = f"{cls.__module__}.{cls.__qualname__}{sorted(kwargs.items())}"
     if label not in made:

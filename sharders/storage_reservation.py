@@ -31,6 +31,7 @@ from torchrec.distributed.planner.storage_reservations import FixedPercentageSto
 from torchrec.distributed.planner.types import PlannerError, PlannerErrorType, Storage, Topology
 from torchrec.distributed.planner.utils import sharder_name
 
+from overlap_optim.record import group_of
 from sharders import _private
 from sharders.kernels import _bytes
 
@@ -57,7 +58,7 @@ def dense_bytes(module: nn.Module, sharders: list, unannotated_state: float = 2.
             size = tensor.numel() * tensor.element_size()
             total += size
             if isinstance(tensor, nn.Parameter) and tensor.requires_grad:
-                group = getattr(tensor, "_overlap_group", None)
+                group = group_of(tensor)
                 state = (_bytes(group.spec.state_shapes(tuple(tensor.shape)), tensor.dtype) if group is not None
                          else round(unannotated_state * size))
                 total += size + state  # the bucket's gradient, and the optimizer state

@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from overlap_optim import apply_optimizer_in_backward, get_optimizers, register_optimizer_hook
+from overlap_optim.record import group_of
 
 
 def tower(seed: int = 0) -> nn.Sequential:
@@ -99,7 +100,7 @@ def parity(rank, case, comm="allreduce", bucket_cap_mb=25.0, unannotated_bias=Fa
             )
             user[0].step(); user[0].zero_grad()
             user[1].step(); user[1].zero_grad()
-        grads_none &= all(p.grad is None for p in ours.parameters() if hasattr(p, "_overlap_group"))
+        grads_none &= all(p.grad is None for p in ours.parameters() if group_of(p) is not None)
         for opt in ref_opts:
             opt.step()
             opt.zero_grad()
@@ -137,7 +138,7 @@ def reannotated(rank, world_size, steps=4, switch=2):
             opt.zero_grad()
         diffs.append(_max_diff(ours.module, ref.module))
     return {"diffs": diffs, "moved": _max_diff(ref.module, start), "refusals": refusals,
-            "grads_none": all(p.grad is None for p in ours.parameters() if hasattr(p, "_overlap_group"))}
+            "grads_none": all(p.grad is None for p in ours.parameters() if group_of(p) is not None)}
 
 
 def _warmup_then_decay(step: int) -> float:

@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import overlap_optim
+from overlap_optim.record import group_of, record_of
 
 BIASES = (torch.optim.Adam, {"lr": 0.02})
 BATCH = 4  # per rank
@@ -351,7 +352,7 @@ def layerwise(rank, world_size, name, steps=4, statistics=True):
 def _make_rounds_local(model: nn.Module) -> None:
     """The mutation: each shard finishes its cross-shard step on its own sums."""
     for param in model.parameters():
-        step = param.__dict__.get("_overlap_fsdp_cross_shard")
+        step = getattr(record_of(param), "cross_shard_step", None)
         if step is not None:
             step.round.local = True
 
@@ -419,7 +420,7 @@ def _state_against(model, reference, ref_opt) -> dict:
     entries of another global shape, the largest difference of any entry, and (vector, name, type) of
     each vector's per-element entries."""
     state = overlap_optim.get_optimizers(model).state_dict()["state"]
-    counters = set(next(model.parameters())._overlap_group.spec.group_state)
+    counters = set(group_of(next(model.parameters())).spec.group_state)
     names, shapes, largest, kinds = [], [], 0.0, set()
     for fqn, ref_param in reference.named_parameters():
         ours, theirs = state[fqn], ref_opt.state[ref_param]

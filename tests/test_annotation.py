@@ -14,12 +14,13 @@ import overlap_optim
 from _models import TinyModel, assert_same_params, loss_of, make_batch
 from overlap_optim import apply_optimizer_in_backward, get_optimizers, materialize
 from overlap_optim.annotation import carry_over
+from overlap_optim.record import record_of
 
-_ATTRS = ("_optimizer_classes", "_optimizer_kwargs", "_in_backward_optimizers", "_overlap_group")
+_ATTRS = ("_optimizer_classes", "_optimizer_kwargs", "_in_backward_optimizers")
 
 
 def _bare(params) -> bool:
-    return all(not hasattr(p, a) for p in params for a in _ATTRS)
+    return all(not hasattr(p, a) and record_of(p) is None for p in params for a in _ATTRS)
 
 
 def _train_against(model, reference, ref_opts, steps: int = 3, before_step=lambda: None) -> None:

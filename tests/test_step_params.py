@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from overlap_optim import apply_optimizer_in_backward, get_optimizers
+from overlap_optim.record import group_of
 from overlap_optim.update import StepPlan, step_params
 from overlap_optim.virtual_groups import virtual_key
 
@@ -43,7 +44,7 @@ def test_equals_torch_optim_with_three_learning_rates(cls, kwargs):
     for i, lr in enumerate(lrs):
         apply_optimizer_in_backward(cls, ours[i::3], {**kwargs, "lr": lr})
         ref_opts.append(cls(reference[i::3], **{**kwargs, "lr": lr}))
-    assert len({virtual_key(p._overlap_group.spec, p._overlap_group.param_group, p) for p in ours}) == 1
+    assert len({virtual_key(group_of(p).spec, group_of(p).param_group, p) for p in ours}) == 1
     for step in range(4):
         grads = [torch.randn_like(p) for p in ours]
         for p, q, g in zip(ours, reference, grads):
@@ -79,7 +80,7 @@ def test_other_optimizers_and_user_flags_take_their_own_step():
     asgd, forced = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
     apply_optimizer_in_backward(torch.optim.ASGD, [asgd], {"lr": 0.1})
     apply_optimizer_in_backward(torch.optim.Adam, [forced], {"lr": 0.1, "foreach": True})
-    assert all(virtual_key(p._overlap_group.spec, p._overlap_group.param_group, p) is None for p in (asgd, forced))
+    assert all(virtual_key(group_of(p).spec, group_of(p).param_group, p) is None for p in (asgd, forced))
     for p in (asgd, forced):
         p.grad = torch.ones(2)
     step_params([asgd, forced])
@@ -108,7 +109,7 @@ def test_foreach_and_fused_groups_step_as_torch_optim_steps_their_param_groups(c
     groups = []
     for i, lr in enumerate(lrs):
         apply_optimizer_in_backward(cls, ours[i::3], {**kwargs, "lr": lr})
-        groups.append(ours[i]._overlap_group.param_group)
+        groups.append(group_of(ours[i]).param_group)
     ref_opt = cls([{"params": reference[i::3], "lr": lr} for i, lr in enumerate(lrs)], **kwargs)
     start = [q.detach().clone() for q in reference]
     for step in range(4):
