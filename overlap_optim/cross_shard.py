@@ -713,7 +713,8 @@ class MuonTable(CrossShardOptimizer):
 
 
 # optimizer class -> its cross-shard implementation on a matrix, and on a vector (Muon, as
-# torch's, steps matrices only). Optional packages join once imported.
+# torch's, steps matrices only). Classes of optional packages are looked up by name in
+# _OPTIONAL, once their package is imported (the core never imports them).
 CROSS_SHARD: dict[type, type[CrossShardOptimizer]] = {
     torch.optim.Adafactor: AdafactorTable, torch.optim.Muon: MuonTable, RowWiseAdagrad: RowWiseAdagradTable,
 }
@@ -728,10 +729,15 @@ _OPTIONAL = {  # (package, class name) -> (matrix form, vector form)
 def cross_shard_class(optimizer_class: type, ndim: int = 2) -> type[CrossShardOptimizer] | None:
     """The implementation for ``optimizer_class`` on a tensor of ``ndim`` dims (2: a table or
     matrix, 1: a vector), or None: it stays refused on such a tensor split across ranks."""
-    for (package, name), (matrix, vector) in _OPTIONAL.items():
+    if ndim not in (1, 2):
+        return None
+    found = (CROSS_SHARD if ndim == 2 else CROSS_SHARD_VECTOR).get(optimizer_class)
+    if found is not None:
+        return found
+    for (package, name), forms in _OPTIONAL.items():
         module = sys.modules.get(package)
-        if module is not None and getattr(module, name, None) not in (None, *CROSS_SHARD):
-            CROSS_SHARD[getattr(module, name)], CROSS_SHARD_VECTOR[getattr(module, name)] = matrix, vector
-    return {2: CROSS_SHARD, 1: CROSS_SHARD_VECTOR}.get(ndim, {}).get(optimizer_class)
+        if module is not None and getattr(module, name, None) is optimizer_class:
+            return forms[2 - ndim]
+    return None
 
 
