@@ -51,7 +51,6 @@ __all__ = [
     "tensor_version",
     "MODULE_PARAMETERS",
     "module_parameters",
-    "forward_pre_hooks",
     "muon_orthogonalized",
     "muon_adjusted_lr",
     "saves_param_groups",
@@ -367,24 +366,6 @@ def _probe_module_parameters() -> dict:
     return parameters
 
 
-def forward_pre_hooks(module: torch.nn.Module) -> list[Callable]:
-    """The forward pre-hooks registered on ``module``, in order. Private API:
-    ``nn.Module._forward_pre_hooks`` (no public accessor)."""
-    return list(module._forward_pre_hooks.values())
-
-
-def _probe_forward_pre_hooks() -> list:
-    module = torch.nn.Linear(1, 1)
-
-    def hook(*_: Any) -> None:
-        pass
-
-    module.register_forward_pre_hook(hook)
-    hooks = list(module._forward_pre_hooks.values())
-    assert hooks == [hook], "nn.Module._forward_pre_hooks no longer holds the registered hooks"
-    return hooks
-
-
 # -- Muon (torch.optim._muon) --
 
 
@@ -461,7 +442,6 @@ PRIVATE_APIS: dict[str, Callable[[], object]] = {
     "torch.utils._pytree.tree_leaves": lambda: _pytree.tree_leaves,
     "torch.Tensor._version": _probe_version,
     "torch.nn.Module._parameters": _probe_module_parameters,
-    "torch.nn.Module._forward_pre_hooks": _probe_forward_pre_hooks,
     "torch.optim._muon._zeropower_via_newtonschulz": lambda: _muon._zeropower_via_newtonschulz,
     "torch.optim._muon._adjust_lr": lambda: _muon._adjust_lr,
     "torchrec.optim.keyed.KeyedOptimizer.defaults['_save_param_groups']": _probe_save_param_groups,
