@@ -64,7 +64,7 @@ def _rank_local_state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any] 
     """Between two averagings of local SGD the ranks hold different dense parameters, and DCP keeps
     one copy of a replicated tensor. Then each rank's own dense parameters and their optimizer
     state, by name, to be saved in a file of its own; None when no local-SGD round is open."""
-    open_rounds = [s for s in local_sgd.registered() if s.mid_round()]
+    open_rounds = [s for s in local_sgd.attached(model) if s.mid_round()]
     managed = {id(p) for s in open_rounds for p in s._model.params}
     prefixes = ddp_prefixes(model)
     names = [unwrapped_name(n, prefixes) for n, p in model.named_parameters() if id(p) in managed]

@@ -35,23 +35,22 @@ The contract:
 from __future__ import annotations
 
 import math
-import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from overlap_optim.record import group_of
+from overlap_optim.record import group_of, record, record_of
 
-__all__ = ["QSR", "registered"]
-
-_REGISTERED: weakref.WeakSet = weakref.WeakSet()  # QSRs attached to a model
+__all__ = ["QSR", "attached"]
 
 
-def registered() -> Iterator[QSR]:
-    """The live QSRs attached to a model (for checkpoints to refuse a save between averagings)."""
-    return iter(list(_REGISTERED))
+def attached(model: torch.nn.Module) -> list[QSR]:
+    """The QSRs attached to parameters of ``model`` (for checkpoints of a run between averagings)."""
+    found = {id(r.local_sgd): r.local_sgd for p in model.parameters()
+             if (r := record_of(p)) is not None and r.local_sgd is not None}
+    return list(found.values())
 
 
 class QSR:
@@ -146,7 +145,8 @@ class QSR:
     def attach(self, model: AveragedModel) -> None:
         """Attach to the parameters a DDP hook manages (done by ``register_optimizer_hook``)."""
         self._model = model
-        _REGISTERED.add(self)
+        for param in model.params:
+            record(param).local_sgd = self
 
     def mid_round(self) -> bool:
         """Whether local steps were taken since the last averaging (the ranks may differ)."""

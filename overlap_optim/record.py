@@ -45,6 +45,7 @@ class ParamRecord:
     placeholder: dict[str, int] | None = None  # init_state's placeholder: its tensors' versions then
     state_maker: Callable[[], None] | None = None  # makes fresh state where its step does not (update)
     cross_shard_step: Any = None  # the FSDP2 layer-wise step that updates it (fsdp)
+    local_sgd: Any = None  # the local_sgd.QSR that averages it (attached by register_optimizer_hook)
 
 
 @dataclasses.dataclass(eq=False)
