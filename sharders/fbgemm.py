@@ -159,6 +159,8 @@ class FusedTable(TableKernel):
     """A table whose update FBGEMM's fused TBE kernel computes exactly (lazy semantics)."""
 
     kind = KernelKind.FUSED
+    semantics = "lazy"
+    family = "fused"
     compute_kernel = "fused"
     # FBGEMM computes the same exact update with the table in HBM, in UVM, or cached in HBM (CUDA).
     plan_kernels = frozenset({"fused", "fused_uvm", "fused_uvm_caching"})

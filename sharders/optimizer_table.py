@@ -2,8 +2,8 @@
 
 :func:`decide` reads a table's annotation and its sharding and returns its
 :class:`~sharders.kernels.TableDecision`, whose ``kind`` picks the class that
-runs it (:mod:`sharders.kernels`); :func:`kernel_kind` is that last step, one
-line per kind. A table is fused only where FBGEMM computes the same update as
+runs it (:mod:`sharders.kernels`); :data:`KINDS` is that last step, one line
+per kind, and the one registry of kinds. A table is fused only where FBGEMM computes the same update as
 ``torch.optim`` on that device type (:func:`choose_kernel`); its kwargs are then
 translated, name by name, and nothing else reaches FBGEMM. Everything else runs
 in the fallback kernel, which applies the real ``torch.optim`` step. A reader
@@ -14,6 +14,8 @@ rules (:data:`sharders.fbgemm.RULES`, with FBGEMM's other names), or in
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,41 +24,50 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from overlap_optim.clipping import GradientClipping, clipping_of
 from overlap_optim.spec import AnnotationGroup, OptimizerSpec, describe_optimizer, needs_closure
 from overlap_optim.cross_shard import cross_shard_class
-from sharders.fbgemm import RULES, choose_kernel
-from sharders.kernels import COLUMN_SPLITTING, ROW_SPLITTING, KernelChoice, KernelKind, TableDecision
+from sharders.cross_shard import CrossShardTable
+from sharders.data_parallel import DataParallelTable
+from sharders.fallback import DenseTable, LazyTable
+from sharders.fbgemm import RULES, FusedTable, choose_kernel
+from sharders.frozen import FrozenTable
+from sharders.kernels import COLUMN_SPLITTING, ROW_SPLITTING, KernelChoice, TableDecision, TableKernel, UserTable
 
 __all__ = [
-    "KernelChoice", "choose_kernel", "kernel_kind", "decide", "annotation_of", "RULES", "DOC_EXAMPLES",
-    "ALL_OPTIMIZERS", "decision_table_markdown", "support_table_markdown", "ROW_SPLITTING", "COLUMN_SPLITTING",
+    "KernelChoice", "choose_kernel", "TableFacts", "KINDS", "kind_of", "decide", "annotation_of", "RULES",
+    "DOC_EXAMPLES", "ALL_OPTIMIZERS", "decision_table_markdown", "support_table_markdown", "ROW_SPLITTING", "COLUMN_SPLITTING",
 ]
 
 SHARDING_TYPES = ("data_parallel", "table_wise", *COLUMN_SPLITTING, *ROW_SPLITTING)
 
 
-def kernel_kind(
-    spec: OptimizerSpec | None,
-    choice: KernelChoice,
-    sharding_type: str,
-    *,
-    frozen: bool = False,
-    cross_shard: bool = False,
-    dense_requested: bool = False,
-) -> KernelKind:
-    """The kind of kernel that runs a table (``spec``: its optimizer, None without annotation):
-    the decision table's last column, one line per kind."""
-    if frozen:  # requires_grad=False wins over any annotation, as torch.optim never steps such a weight
-        return KernelKind.FROZEN
-    if spec is None:
-        return KernelKind.USER
-    if sharding_type == "data_parallel":
-        return KernelKind.DATA_PARALLEL
-    if choice.fused:
-        return KernelKind.FUSED
-    if cross_shard:
-        return KernelKind.CROSS_SHARD
-    if dense_requested or not spec.row_separable:
-        return KernelKind.DENSE
-    return KernelKind.LAZY
+@dataclasses.dataclass(frozen=True)
+class TableFacts:
+    """What the decision table's last column reads of a table."""
+
+    table: str
+    sharding_type: str
+    spec: OptimizerSpec | None  # its optimizer; None: no annotation, or frozen
+    choice: KernelChoice
+    frozen: bool = False  # requires_grad=False when sharded
+    cross_shard: bool = False  # split along an axis its optimizer is not separable by; it has a cross-shard form
+    dense_requested: bool = False  # named in dense_tables
+
+
+# The decision table's last column, and the one registry of table kinds: each kind's class, and when
+# it runs a table; the first whose test holds does. A new kind is its class and one line here.
+KINDS: dict[type[TableKernel], Callable[[TableFacts], bool]] = {
+    FrozenTable: lambda t: t.frozen,  # requires_grad=False wins over any annotation, as torch.optim never steps it
+    UserTable: lambda t: t.spec is None,
+    DataParallelTable: lambda t: t.sharding_type == "data_parallel",
+    FusedTable: lambda t: t.choice.fused,
+    CrossShardTable: lambda t: t.cross_shard,
+    DenseTable: lambda t: t.dense_requested or not t.spec.row_separable,
+    LazyTable: lambda t: True,
+}
+
+
+def kind_of(facts: TableFacts) -> type[TableKernel]:
+    """The class of the kind of kernel that runs a table: the first of :data:`KINDS` whose test holds."""
+    return next(cls for cls, runs in KINDS.items() if runs(facts))
 
 
 def decide(
@@ -110,10 +121,9 @@ def decide(
         if cross_shard and choice.fused:  # FBGEMM would step each shard on its own statistics
             choice = KernelChoice(False, reason=f"{sharding_type}: FBGEMM would keep a statistic per shard, where "
                                                 "the whole table has one; the fallback carries it across shards")
-    spec = None if group is None else group.spec
-    kind = kernel_kind(spec, choice, sharding_type, frozen=frozen, cross_shard=cross_shard,
-                       dense_requested=table in dense)
-    return TableDecision(table, sharding_type, shape, group, choice, kind, device_type, clip)
+    facts = TableFacts(table, sharding_type, None if group is None else group.spec, choice, frozen=frozen,
+                       cross_shard=cross_shard, dense_requested=table in dense)
+    return TableDecision(table, sharding_type, shape, group, choice, kind_of(facts).kind, device_type, clip)
 
 
 # The compute kernels a plan may name, per device type: "fused" is TorchRec's planner's name for
@@ -241,10 +251,8 @@ def _support(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], sharding_
             return f"refused: not separable by {what}"
     if sharding_type == "data_parallel":
         return "exact, dense (DDP hook)"
-    choice = choose_kernel(cls, kwargs, device, settings=spec.defaults)
-    kind = kernel_kind(spec, choice, sharding_type)
-    kernel = "fused" if choice.fused else "fallback"
-    return f"exact, {'lazy' if kind in (KernelKind.FUSED, KernelKind.LAZY) else 'dense'} ({kernel})"
+    kind = kind_of(TableFacts("?", sharding_type, spec, choose_kernel(cls, kwargs, device, settings=spec.defaults)))
+    return f"exact, {kind.semantics} ({kind.family})"
 
 
 def support_table_markdown(
