@@ -55,11 +55,7 @@ from overlap_optim.round import EndOfBackwardRound, arm_in_backward
 from overlap_optim.spec import AnnotationGroup
 from sharders import _private
 from sharders._private import kernels_of
-from sharders.cross_shard import CrossShardTable  # noqa: F401 - registers the kind
-from sharders.data_parallel import DataParallelTable, DataParallelWrapper, FullyShardWrapper  # noqa: F401 - registers
-from sharders.fallback import DenseTable, LazyTable  # noqa: F401 - register the kinds
-from sharders.fbgemm import FusedTable  # noqa: F401 - registers the kind
-from sharders.frozen import FrozenTable  # noqa: F401 - registers the kind
+from sharders.data_parallel import DataParallelWrapper, FullyShardWrapper
 from sharders.kernels import Accumulation, BuildContext, TableKernel, kernel_class
 from sharders.live_settings import install_settings_check
 from sharders.optimizer_table import decide
@@ -326,7 +322,7 @@ def _build(context: BuildContext) -> None:
     by_kind: dict[type[TableKernel], list[TableKernel]] = {}
     for table in context.tables.values():
         by_kind.setdefault(type(table), []).append(table)
-    for cls, tables in sorted(by_kind.items(), key=lambda item: not item[0].install_first):
+    for cls, tables in sorted(by_kind.items(), key=lambda item: item[0].install_order):
         cls.install(tables, context)
     arms = [context.round.arm] if context.round.slots else []
     clips = {t.clip.order: t.clip for t in context.tables.values() if t.clip is not None and t.clip.by_norm}

@@ -25,6 +25,7 @@ class CrossShardTable(FallbackTable):
     run in the fallback kernel and meet in the module's end-of-backward round."""
 
     kind = KernelKind.CROSS_SHARD
+    semantics = "dense"
 
     def _geometry(self, offsets: tuple[int, int] = (0, 0)) -> Geometry:
         return Geometry(self.decision.shape, tuple(offsets), split_axis(self.decision.sharding_type))

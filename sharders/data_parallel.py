@@ -31,7 +31,7 @@ from overlap_optim.clipping import join_clipping
 from overlap_optim.comm_hooks import OptimizerHookState
 from overlap_optim.ddp import install_optimizer_hook, register_optimizer_hook
 from overlap_optim.local_sgd import QSR
-from overlap_optim.record import annotate, module_record, set_live_optimizers
+from overlap_optim.record import annotate, live_optimizers, module_record, set_live_optimizers
 from overlap_optim.spec import AnnotationGroup
 from sharders import _private
 from sharders.kernels import BuildContext, KernelKind, TableKernel
@@ -44,6 +44,8 @@ class DataParallelTable(TableKernel):
     """A data-parallel table: its annotated optimizer steps in the DDP hook, after the all-reduce."""
 
     kind = KernelKind.DATA_PARALLEL
+    semantics = "dense"
+    family = "data_parallel_hook"
     compute_kernel = None  # the plan's own
     plan_kernels = frozenset({"dense"})
     sharded_state = False  # the weight carries its annotation: get_optimizers finds it as a parameter
@@ -51,13 +53,14 @@ class DataParallelTable(TableKernel):
     @classmethod
     def install(cls, tables: list[TableKernel], context: BuildContext) -> None:
         """Step each data-parallel table's optimizer on its all-reduced gradient."""
+        names = {table.table for table in tables}
         for lookup in _private.lookups(context.sharded):
             if not isinstance(lookup, DistributedDataParallel):
                 continue
             targets: dict[int, list] = {}
             managed, clips = [], {}
             for kernel in _private.kernels_of_lookup(lookup.module):
-                if context.tables[kernel.config.embedding_tables[0].name].kind is not cls.kind:
+                if kernel.config.embedding_tables[0].name not in names:
                     continue  # unannotated tables keep their averaged gradient for the user; frozen ones have none
                 flat = kernel.emb_module.weights
                 managed.append(flat)
@@ -74,6 +77,11 @@ class DataParallelTable(TableKernel):
                 state = OptimizerHookState(context.process_group, targets, managed, clips=clipped)
                 state.held_back = lambda: context.accumulation.active  # the lookup's flat weights are no parameter of the model
                 install_optimizer_hook(lookup, state)
+
+    def held_state(self, metadata: Any, weight: torch.Tensor | None) -> dict[str, Any]:
+        """The state of the weight's own optimizer, which the DDP hook steps."""
+        optimizers = (live_optimizers(weight) or []) if weight is not None else []
+        return dict(optimizers[0].state.get(weight, {})) if optimizers and hasattr(optimizers[0], "state") else {}
 
     def state_bytes(self, shard_shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> int:
         """Every rank holds the whole table's state."""

@@ -7,7 +7,6 @@ import torch.distributed as dist
 from torch import nn
 
 from overlap_optim.keyed import unwrapped_path
-from overlap_optim.record import live_optimizers
 from sharders._private import kernels_of
 from sharders.kernels import TableKernel
 from sharders.plan import plan_of
@@ -59,12 +58,8 @@ def _memory(module: nn.Module, plan, kernel: nn.Module) -> str:
 
 def _state_of(module: nn.Module, plan, table: TableKernel, config) -> dict:
     """The optimizer state one shard (``config``) of ``table`` holds on this rank."""
-    for piece in table.shards:
-        if piece.metadata is config.local_metadata:
-            return {k: v for k, v in piece.state.state.items() if k in piece.state.row_state or torch.is_tensor(v)}
     weight = getattr(getattr(module, plan.state.tables_attr)[table.table], "weight", None)
-    optimizers = (live_optimizers(weight) or []) if weight is not None else []  # data-parallel: its own
-    return dict(optimizers[0].state.get(weight, {})) if optimizers and hasattr(optimizers[0], "state") else {}
+    return table.held_state(config.local_metadata, weight)
 
 
 def _bytes(value) -> int:

@@ -53,6 +53,7 @@ class FallbackTable(TableKernel):
     Every fallback table whose settings differ from another's only in floats may share one
     kernel (one lookup, one multi-tensor update per virtual group)."""
 
+    family = "fallback"
     compute_kernel = "dense"
 
     def batch_key(self) -> Hashable:
@@ -101,17 +102,13 @@ class FallbackTable(TableKernel):
         layout = self.state_layout()
         return [n for n in self.group.spec.state if n not in layout]
 
-    def step_bytes(self, shard_shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> int:
-        """Dense semantics: each step makes the shard's whole gradient (zeros where untouched)."""
-        if self.semantics != "dense":
-            return 0
-        return shard_shape[0] * shard_shape[1] * torch.empty(0, dtype=dtype).element_size()
 
 
 class LazyTable(FallbackTable):
     """torch.optim on the rows a batch touched (:class:`overlap_optim.table_optimizer.RowOptimizer`)."""
 
     kind = KernelKind.LAZY
+    semantics = "lazy"
 
     def make_optimizer(self, weight: torch.Tensor, config: Any, context: BuildContext) -> TableOptimizer:
         return RowOptimizer(weight, self.group, self.table)
@@ -127,9 +124,14 @@ class DenseTable(FallbackTable):
     (:class:`overlap_optim.table_optimizer.DenseTableOptimizer`)."""
 
     kind = KernelKind.DENSE
+    semantics = "dense"
 
     def make_optimizer(self, weight: torch.Tensor, config: Any, context: BuildContext) -> TableOptimizer:
         return DenseTableOptimizer(weight, self.group, self.table)
+
+    def step_bytes(self, shard_shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> int:
+        """Each step makes the shard's whole gradient (zeros where untouched)."""
+        return shard_shape[0] * shard_shape[1] * torch.empty(0, dtype=dtype).element_size()
 
     def runs_as(self) -> str:
         return "fallback: torch.optim on the whole table"

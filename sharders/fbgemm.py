@@ -1,8 +1,11 @@
 """The fused kind: FBGEMM's TBE runs the update; its state names, its step count, its live settings.
 
-:mod:`sharders.optimizer_table` decides which settings FBGEMM computes exactly
-and translates them; this module keeps a fused kernel in step with its
-annotation group while it trains:
+Which settings FBGEMM computes exactly, and their translation, are FBGEMM's
+rules (:data:`RULES`, :func:`choose_kernel`), here with FBGEMM's other names; the
+decision table (:mod:`sharders.optimizer_table`) asks them. A reader who wants
+to know "why did table t3 not fuse?" finds the answer in :data:`RULES`.
+This module also keeps a fused kernel in step with its annotation group while
+it trains:
 
 - before every forward, the group's live settings are checked against the same
   rule again and pushed into the kernel (``learning_rate``, ``eps``), so a
@@ -20,6 +23,17 @@ TorchRec applies a fused kernel's LR only in ``fused_optimizer.step()``, after
 backward: a schedule would reach the kernel one step late. Kernels are called
 the same way under DMP and TorchRec's train pipelines, so their own forward
 pre-hook is the one place that sees every step in time.
+
+Facts behind the rules (measured on torch 2.13 / fbgemm-gpu-cpu 1.8, see
+``shared/FBGEMM_NOTES.md``):
+
+- EXACT_SGD is ``w -= lr*g``: no momentum, no weight decay.
+- EXACT_ADAGRAD is ``s += g*g; w -= lr*g/(sqrt(s)+eps)``: no lr_decay, no
+  weight decay, the accumulator starts at 0. torch's eps default is 1e-10,
+  FBGEMM's 1e-8, so eps is always passed explicitly.
+- EXACT_ROWWISE_ADAGRAD is torchrec's ``RowWiseAdagrad``; on CPU FBGEMM drops
+  weight decay for fp32 tables, so weight decay there goes to the fallback.
+- On CPU FBGEMM fuses nothing else (Adam asserts).
 """
 
 from __future__ import annotations
@@ -30,13 +44,107 @@ from typing import Any
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-from overlap_optim.spec import AnnotationGroup
+from overlap_optim.spec import AnnotationGroup, describe_optimizer, needs_closure
 from sharders.fused_backward import HeldBackward
 from sharders.kernels import BuildContext, KernelChoice, KernelKind, LocalShard, TableKernel
-from sharders.optimizer_table import VARIABLE_BATCH_OPTIMIZERS, choose_kernel
 
-__all__ = ["FUSED_ROW_STATE", "FusedTable", "FusedShardState", "live_choice"]
+__all__ = [
+    "RULES", "VARIABLE_BATCH_OPTIMIZERS", "choose_kernel", "FUSED_ROW_STATE", "FusedTable", "FusedShardState",
+    "live_choice",
+]
+
+
+def _unsupported(s: dict[str, Any], **neutral: Any) -> str:
+    """The first setting whose value is not the neutral one FBGEMM assumes."""
+    for name, value in neutral.items():
+        if name in s and s[name] != value:
+            return f"{name}={s[name]!r}"
+    return ""
+
+
+def _sgd(s: dict[str, Any], device: str) -> KernelChoice:
+    bad = _unsupported(s, momentum=0, weight_decay=0, nesterov=False, maximize=False)
+    if bad:
+        return KernelChoice(False, reason=f"{bad}: FBGEMM's EXACT_SGD has no momentum, weight decay or maximize")
+    return KernelChoice(True, {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": float(s["lr"])})
+
+
+def _adagrad(s: dict[str, Any], device: str) -> KernelChoice:
+    bad = _unsupported(s, lr_decay=0, weight_decay=0, initial_accumulator_value=0, maximize=False)
+    if bad:
+        return KernelChoice(
+            False,
+            reason=f"{bad}: FBGEMM's EXACT_ADAGRAD has no lr_decay, weight decay, initial accumulator or maximize",
+        )
+    kwargs = {"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": float(s["lr"]), "eps": float(s["eps"])}
+    return KernelChoice(True, kwargs)
+
+
+def _rowwise_adagrad(s: dict[str, Any], device: str) -> KernelChoice:
+    bad = _unsupported(s, lr_decay=0, initial_accumulator_value=0, maximize=False)
+    if bad:
+        return KernelChoice(
+            False, reason=f"{bad}: FBGEMM's EXACT_ROWWISE_ADAGRAD has no lr_decay, initial accumulator or maximize"
+        )
+    if s["weight_decay"] != 0:
+        why = "FBGEMM's CPU kernel ignores it for fp32 tables" if device == "cpu" else "not verified on CUDA here"
+        return KernelChoice(False, reason=f"weight_decay={s['weight_decay']!r}: {why}")
+    kwargs = {
+        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        "learning_rate": float(s["lr"]),
+        "eps": float(s["eps"]),
+    }
+    return KernelChoice(True, kwargs)
+
+
+# The fused kernels FBGEMM runs with a variable batch size per feature (VBE): its TBE asserts it.
+VARIABLE_BATCH_OPTIMIZERS = frozenset({EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD})
+
+
+_Rule = Callable[[dict[str, Any], str], KernelChoice]
+
+# device type -> optimizer class -> rule. A class missing here goes to the fallback.
+RULES: dict[str, dict[type[torch.optim.Optimizer], _Rule]] = {
+    "cpu": {torch.optim.SGD: _sgd, torch.optim.Adagrad: _adagrad, RowWiseAdagrad: _rowwise_adagrad},
+    # CUDA keeps to the rules verified on CPU: FBGEMM's CUDA Adam counts steps per
+    # kernel and its decoupled decay is unverified here, so Adam stays in the fallback.
+    "cuda": {torch.optim.SGD: _sgd, torch.optim.Adagrad: _adagrad, RowWiseAdagrad: _rowwise_adagrad},
+}
+
+
+def choose_kernel(
+    optimizer_class: type[torch.optim.Optimizer],
+    optimizer_kwargs: dict[str, Any],
+    device_type: str,
+    *,
+    table: str = "?",
+    settings: dict[str, Any] | None = None,
+) -> KernelChoice:
+    """Decide where ``table``'s update runs on ``device_type``.
+
+    ``settings``: the complete current settings (a live param group); by
+    default the kwargs completed with the class defaults. The fused kernel of a
+    table re-runs this rule on its live param group before every forward, so a
+    setting changed at run time either reaches FBGEMM translated or is refused.
+
+    Raises:
+        ValueError: the device type is unknown, or the optimizer cannot run in
+            backward at all (it needs a closure); the message names the table.
+    """
+    if device_type not in RULES:
+        raise ValueError(f"table {table!r}: no optimizer rules for device type {device_type!r}; known: {sorted(RULES)}")
+    if needs_closure(optimizer_class):
+        raise ValueError(
+            f"table {table!r}: {optimizer_class.__name__} needs a closure in step() and cannot run in backward"
+        )
+    rule = RULES[device_type].get(optimizer_class)
+    if rule is None:
+        return KernelChoice(False, reason=f"{optimizer_class.__name__}: FBGEMM has no kernel verified exact on {device_type}")
+    if settings is None:
+        settings = describe_optimizer(optimizer_class, optimizer_kwargs).defaults
+    return rule(settings, device_type)
 
 
 # Per-row state of each fused kernel type: torch.optim name -> row-wise (one value per row)?
@@ -51,6 +159,8 @@ class FusedTable(TableKernel):
     """A table whose update FBGEMM's fused TBE kernel computes exactly (lazy semantics)."""
 
     kind = KernelKind.FUSED
+    semantics = "lazy"
+    family = "fused"
     compute_kernel = "fused"
     # FBGEMM computes the same exact update with the table in HBM, in UVM, or cached in HBM (CUDA).
     plan_kernels = frozenset({"fused", "fused_uvm", "fused_uvm_caching"})

@@ -35,8 +35,11 @@ class FrozenTable(TableKernel):
     """A table whose weight had ``requires_grad=False`` when it was sharded."""
 
     kind = KernelKind.FROZEN
+    semantics = "frozen"
+    family = "frozen"
     sharded_state = False
-    install_first = True  # a data-parallel lookup is wrapped again without its frozen weights: hook the new one
+    # First: it wraps a data-parallel lookup again without its frozen weights; the others hook the new one.
+    install_order = -1
 
     def batch_key(self) -> Hashable:
         return (self.kind,)
@@ -48,9 +51,10 @@ class FrozenTable(TableKernel):
     @classmethod
     def install(cls, tables: list[TableKernel], context: BuildContext) -> None:
         lookups = _private.lookups(context.sharded)
+        names = {table.table for table in tables}
         for i, lookup in enumerate(lookups):
             if isinstance(lookup, DistributedDataParallel):
-                _private.replace_lookup(context.sharded, i, _without_frozen(lookup, context))
+                _private.replace_lookup(context.sharded, i, _without_frozen(lookup, names))
         for table in tables:  # the weights no longer require grad: so their views say
             bag = context.table_module(table.table)
             weight = getattr(bag, "weight", None)
@@ -83,12 +87,12 @@ class FrozenTable(TableKernel):
         return "frozen: looked up, never updated"
 
 
-def _without_frozen(lookup: DistributedDataParallel, context: BuildContext) -> nn.Module:
-    """The data-parallel lookup, wrapped again by DDP without its frozen kernels' weights (the
-    same DDP arguments TorchRec uses), or unwrapped if nothing in it trains."""
+def _without_frozen(lookup: DistributedDataParallel, names: set[str]) -> nn.Module:
+    """The data-parallel lookup, wrapped again by DDP without the weights of its kernels of frozen
+    tables (``names``; the same DDP arguments TorchRec uses), or unwrapped if nothing in it trains."""
     frozen = [
         kernel for kernel in _private.kernels_of_lookup(lookup.module)
-        if context.tables[kernel.config.embedding_tables[0].name].kind is KernelKind.FROZEN
+        if kernel.config.embedding_tables[0].name in names
     ]
     if not frozen:
         return lookup

@@ -1,8 +1,9 @@
 """Table kernels: one protocol, one class per kind.
 
-Every table of a sharded module runs in one kind of kernel. The decision table
-(:mod:`sharders.optimizer_table`) picks the :class:`KernelKind`; from then on the
-kind's class owns the table:
+Every table of a sharded module runs in one kind of kernel. A kind is one class;
+the decision table (:data:`sharders.optimizer_table.KINDS`, a plain dict: each
+kind's class and when it runs a table) picks it, and from then on the class owns
+the table:
 
 | kind | class (module) | update | semantics |
 | --- | --- | --- | --- |
@@ -15,15 +16,17 @@ kind's class owns the table:
 | ``DATA_PARALLEL`` | ``DataParallelTable`` (:mod:`sharders.data_parallel`) | torch.optim in the DDP hook | dense |
 
 A kind's class answers every question the rest of the package asks of a table
-(:class:`TableKernel`): which TorchRec compute kernel it asks the plan for,
-which tables may share that kernel, how it takes the kernel over, its state
-layout and size in bytes per shard, its placeholder rule (through its shards'
-state objects, :class:`ShardState`), its ``describe()`` row, and its check of
-settings changed at run time. ``describe``, ``live_settings``, ``table_state``
-and the sharder iterate over table kernels; none branches on a kind.
+(:class:`TableKernel`): its name, semantics, family and install order (class
+attributes), which TorchRec compute kernel it asks the plan for, which tables
+may share that kernel, how it takes the kernel over, its state layout and size
+in bytes per shard, the state it holds, its placeholder rule (through its
+shards' state objects, :class:`ShardState`), its ``describe()`` row, and its
+check of settings changed at run time. ``describe``, ``live_settings``,
+``table_state`` and the sharder iterate over table kernels; none branches on a
+kind.
 
-A new kind is one class here or in its own module, registered by its ``kind``,
-and one line in the decision table.
+A new kind is one class in its own module and one line of the decision table
+(``tests/_recording_kind.py`` is one).
 """
 
 from __future__ import annotations
@@ -67,7 +70,8 @@ def split_axis(sharding_type: str) -> int:
 
 
 class KernelKind(enum.Enum):
-    """Where a table's update runs; the decision table returns one per table."""
+    """The names of the built-in kinds (:attr:`TableKernel.kind`); a new kind may name itself with
+    a string."""
 
     USER = "user"
     FROZEN = "frozen"
@@ -103,27 +107,9 @@ class TableDecision:
     shape: tuple[int, int]  # the whole table's (rows, dim)
     group: AnnotationGroup | None  # None: no annotation (USER) or frozen (FROZEN)
     choice: KernelChoice
-    kind: KernelKind
+    kind: KernelKind | str  # the name of its kind's class (:attr:`TableKernel.kind`)
     device_type: str = "cpu"
     clip: GradientClipping | None = None  # the gradient clipping set the table is in
-
-    @property
-    def semantics(self) -> str:
-        """"lazy": only the rows a batch touched change; "dense": every row steps (a zero gradient
-        where untouched); "user": not ours to step; "frozen": never stepped."""
-        return _SEMANTICS[self.kind]
-
-
-_SEMANTICS = {
-    KernelKind.USER: "user", KernelKind.FROZEN: "frozen", KernelKind.FUSED: "lazy", KernelKind.LAZY: "lazy",
-    KernelKind.DENSE: "dense", KernelKind.CROSS_SHARD: "dense", KernelKind.DATA_PARALLEL: "dense",
-}
-
-
-_FAMILY = {
-    KernelKind.USER: "user", KernelKind.FROZEN: "frozen", KernelKind.FUSED: "fused", KernelKind.LAZY: "fallback",
-    KernelKind.DENSE: "fallback", KernelKind.CROSS_SHARD: "fallback", KernelKind.DATA_PARALLEL: "data_parallel_hook",
-}
 
 
 class ShardState(Protocol):
@@ -198,36 +184,43 @@ class BuildContext:
         return getattr(self.sharded, self.tables_attr)[table]
 
 
-_KINDS: dict[KernelKind, type[TableKernel]] = {}
-
-
-def kernel_class(kind: KernelKind) -> type[TableKernel]:
-    """The class registered for ``kind``."""
-    if kind not in _KINDS:
-        raise KeyError(f"no table kernel is registered for {kind}; registered: {sorted(k.value for k in _KINDS)}")
-    return _KINDS[kind]
+def kernel_class(kind: KernelKind | str) -> type[TableKernel]:
+    """The class named ``kind`` (its :attr:`~TableKernel.kind`). The decision table imports every
+    class it can pick (:data:`sharders.optimizer_table.KINDS`), so each kind a decision names has
+    its class here; nothing registers on import."""
+    named = {}
+    stack = [TableKernel]
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        if "kind" in cls.__dict__:
+            named.setdefault(cls.kind, []).append(cls)
+    if kind not in named:
+        raise KeyError(f"no table kernel class is named {kind}; named: {sorted(str(k) for k in named)}")
+    if len(named[kind]) > 1:
+        raise TypeError(f"several table kernel classes are named {kind}: {named[kind]}")
+    return named[kind][0]
 
 
 class TableKernel:
     """One table of a sharded module and the kind of kernel that runs it (on every rank).
 
     ``shards`` are this rank's shards of the table (none where another rank holds it).
-    Subclasses set :attr:`kind` and override what differs; they register on definition.
+    A kind's class sets :attr:`kind`, :attr:`semantics` and :attr:`family`, and overrides what
+    differs; the decision table (:data:`sharders.optimizer_table.KINDS`) picks it.
     """
 
-    kind: ClassVar[KernelKind]
+    kind: ClassVar[KernelKind | str]  # its name, unique among the kinds
+    # "lazy": only the rows a batch touched change; "dense": every row steps (a zero gradient where
+    # untouched); "user": not ours to step; "frozen": never stepped.
+    semantics: ClassVar[str]
+    family: ClassVar[str]  # the family of kernel that runs it, for people: fused, fallback, user, frozen...
+    install_order: ClassVar[int] = 0  # :meth:`install` runs by this order, lowest first (ties: first table's)
     compute_kernel: ClassVar[str | None] = "dense"  # asked of the plan; None: the plan's own (data parallel)
     sharded_state: ClassVar[bool] = True  # its state is a sharded table's (sharders.table_state); else none, or on its weight
-    install_first: ClassVar[bool] = False  # its install() changes the module's lookups, which other kinds then hook
     # The compute-kernel names a plan may give it ("fused" is how TorchRec's planner names every
     # model-parallel kernel: its plan validation allows "dense" on data_parallel only).
     plan_kernels: ClassVar[frozenset[str]] = frozenset({"dense", "fused"})
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "kind" in cls.__dict__:
-            assert cls.kind not in _KINDS, f"two classes for {cls.kind}"
-            _KINDS[cls.kind] = cls
 
     def __init__(self, decision: TableDecision) -> None:
         self.decision = decision
@@ -242,17 +235,13 @@ class TableKernel:
         return self.decision.group
 
     @property
-    def semantics(self) -> str:
-        return self.decision.semantics
-
-    @property
     def clip(self) -> GradientClipping | None:
         return self.decision.clip
 
     @property
     def kernel(self) -> str:
         """The family of kernel that runs it, for people: fused, fallback, user, frozen, data_parallel_hook."""
-        return _FAMILY[self.kind]
+        return self.family
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.table!r}, {self.decision.sharding_type})"
@@ -285,10 +274,18 @@ class TableKernel:
     @classmethod
     def install(cls, tables: list[TableKernel], context: BuildContext) -> None:
         """Once per kind, on every rank, after every kernel is adopted: ``tables`` are all the
-        module's tables of this kind, held here or not. Kinds with :attr:`install_first` install
-        before the others."""
+        module's tables of this kind, held here or not. Kinds install by :attr:`install_order`."""
 
     # -- state --
+
+    def held_state(self, metadata: Any, weight: torch.Tensor | None) -> dict[str, Any]:
+        """The optimizer state this rank holds for the shard at ``metadata`` (TorchRec's
+        ``ShardMetadata``), for ``describe()``'s memory column: tensors by name. ``weight``: the
+        sharded module's weight of the table."""
+        for piece in self.shards:
+            if piece.metadata is metadata:
+                return {k: v for k, v in piece.state.state.items() if k in piece.state.row_state or torch.is_tensor(v)}
+        return {}
 
     def state_layout(self) -> dict[str, str]:
         """State entries saved as sharded tensors: name -> a layout of :data:`LAYOUTS`."""
@@ -346,6 +343,8 @@ class UserTable(TableKernel):
     the user's own optimizer (``overlap_optim.unoptimized_parameters``)."""
 
     kind = KernelKind.USER
+    semantics = "user"
+    family = "user"
     sharded_state = False
 
     def runs_as(self) -> str:

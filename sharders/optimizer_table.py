@@ -2,164 +2,73 @@
 
 :func:`decide` reads a table's annotation and its sharding and returns its
 :class:`~sharders.kernels.TableDecision`, whose ``kind`` picks the class that
-runs it (:mod:`sharders.kernels`); :func:`kernel_kind` is that last step, one
-line per kind. A table is fused only where FBGEMM computes the same update as
+runs it (:mod:`sharders.kernels`); :data:`KINDS` is that last step, one line
+per kind, and the one registry of kinds. A table is fused only where FBGEMM computes the same update as
 ``torch.optim`` on that device type (:func:`choose_kernel`); its kwargs are then
 translated, name by name, and nothing else reaches FBGEMM. Everything else runs
 in the fallback kernel, which applies the real ``torch.optim`` step. A reader
-who wants to know "why did table t3 not fuse?" finds the answer in :data:`RULES`
-below.
-
-Facts behind the rules (measured on torch 2.13 / fbgemm-gpu-cpu 1.8, see
-``shared/FBGEMM_NOTES.md``):
-
-- EXACT_SGD is ``w -= lr*g``: no momentum, no weight decay.
-- EXACT_ADAGRAD is ``s += g*g; w -= lr*g/(sqrt(s)+eps)``: no lr_decay, no
-  weight decay, the accumulator starts at 0. torch's eps default is 1e-10,
-  FBGEMM's 1e-8, so eps is always passed explicitly.
-- EXACT_ROWWISE_ADAGRAD is torchrec's ``RowWiseAdagrad``; on CPU FBGEMM drops
-  weight decay for fp32 tables, so weight decay there goes to the fallback.
-- On CPU FBGEMM fuses nothing else (Adam asserts).
+who wants to know "why did table t3 not fuse?" finds the answer in FBGEMM's
+rules (:data:`sharders.fbgemm.RULES`, with FBGEMM's other names), or in
+:func:`decide` below, where the user, the plan or clipping kept a table out of them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from overlap_optim.clipping import GradientClipping, clipping_of
 from overlap_optim.record import contract_of, group_of
 from overlap_optim.spec import AnnotationGroup, OptimizerSpec, describe_optimizer, needs_closure
 from overlap_optim.cross_shard import cross_shard_class
-from sharders.kernels import COLUMN_SPLITTING, ROW_SPLITTING, KernelChoice, KernelKind, TableDecision
+from sharders.cross_shard import CrossShardTable
+from sharders.data_parallel import DataParallelTable
+from sharders.fallback import DenseTable, LazyTable
+from sharders.fbgemm import RULES, FusedTable, choose_kernel
+from sharders.frozen import FrozenTable
+from sharders.kernels import COLUMN_SPLITTING, ROW_SPLITTING, KernelChoice, TableDecision, TableKernel, UserTable
 
 __all__ = [
-    "KernelChoice", "choose_kernel", "kernel_kind", "decide", "annotation_of", "RULES", "DOC_EXAMPLES",
-    "ALL_OPTIMIZERS", "decision_table_markdown", "support_table_markdown", "ROW_SPLITTING", "COLUMN_SPLITTING",
+    "KernelChoice", "choose_kernel", "TableFacts", "KINDS", "kind_of", "decide", "annotation_of", "RULES",
+    "DOC_EXAMPLES", "ALL_OPTIMIZERS", "decision_table_markdown", "support_table_markdown", "ROW_SPLITTING", "COLUMN_SPLITTING",
 ]
 
 SHARDING_TYPES = ("data_parallel", "table_wise", *COLUMN_SPLITTING, *ROW_SPLITTING)
 
 
-def _unsupported(s: dict[str, Any], **neutral: Any) -> str:
-    """The first setting whose value is not the neutral one FBGEMM assumes."""
-    for name, value in neutral.items():
-        if name in s and s[name] != value:
-            return f"{name}={s[name]!r}"
-    return ""
+@dataclasses.dataclass(frozen=True)
+class TableFacts:
+    """What the decision table's last column reads of a table."""
+
+    table: str
+    sharding_type: str
+    spec: OptimizerSpec | None  # its optimizer; None: no annotation, or frozen
+    choice: KernelChoice
+    frozen: bool = False  # requires_grad=False when sharded
+    cross_shard: bool = False  # split along an axis its optimizer is not separable by; it has a cross-shard form
+    dense_requested: bool = False  # named in dense_tables
 
 
-def _sgd(s: dict[str, Any], device: str) -> KernelChoice:
-    bad = _unsupported(s, momentum=0, weight_decay=0, nesterov=False, maximize=False)
-    if bad:
-        return KernelChoice(False, reason=f"{bad}: FBGEMM's EXACT_SGD has no momentum, weight decay or maximize")
-    return KernelChoice(True, {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": float(s["lr"])})
-
-
-def _adagrad(s: dict[str, Any], device: str) -> KernelChoice:
-    bad = _unsupported(s, lr_decay=0, weight_decay=0, initial_accumulator_value=0, maximize=False)
-    if bad:
-        return KernelChoice(
-            False,
-            reason=f"{bad}: FBGEMM's EXACT_ADAGRAD has no lr_decay, weight decay, initial accumulator or maximize",
-        )
-    kwargs = {"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": float(s["lr"]), "eps": float(s["eps"])}
-    return KernelChoice(True, kwargs)
-
-
-def _rowwise_adagrad(s: dict[str, Any], device: str) -> KernelChoice:
-    bad = _unsupported(s, lr_decay=0, initial_accumulator_value=0, maximize=False)
-    if bad:
-        return KernelChoice(
-            False, reason=f"{bad}: FBGEMM's EXACT_ROWWISE_ADAGRAD has no lr_decay, initial accumulator or maximize"
-        )
-    if s["weight_decay"] != 0:
-        why = "FBGEMM's CPU kernel ignores it for fp32 tables" if device == "cpu" else "not verified on CUDA here"
-        return KernelChoice(False, reason=f"weight_decay={s['weight_decay']!r}: {why}")
-    kwargs = {
-        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-        "learning_rate": float(s["lr"]),
-        "eps": float(s["eps"]),
-    }
-    return KernelChoice(True, kwargs)
-
-
-# The fused kernels FBGEMM runs with a variable batch size per feature (VBE): its TBE asserts it.
-VARIABLE_BATCH_OPTIMIZERS = frozenset({EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD})
-
-
-_Rule = Callable[[dict[str, Any], str], KernelChoice]
-
-# device type -> optimizer class -> rule. A class missing here goes to the fallback.
-RULES: dict[str, dict[type[torch.optim.Optimizer], _Rule]] = {
-    "cpu": {torch.optim.SGD: _sgd, torch.optim.Adagrad: _adagrad, RowWiseAdagrad: _rowwise_adagrad},
-    # CUDA keeps to the rules verified on CPU: FBGEMM's CUDA Adam counts steps per
-    # kernel and its decoupled decay is unverified here, so Adam stays in the fallback.
-    "cuda": {torch.optim.SGD: _sgd, torch.optim.Adagrad: _adagrad, RowWiseAdagrad: _rowwise_adagrad},
+# The decision table's last column, and the one registry of table kinds: each kind's class, and when
+# it runs a table; the first whose test holds does. A new kind is its class and one line here.
+KINDS: dict[type[TableKernel], Callable[[TableFacts], bool]] = {
+    FrozenTable: lambda t: t.frozen,  # requires_grad=False wins over any annotation, as torch.optim never steps it
+    UserTable: lambda t: t.spec is None,
+    DataParallelTable: lambda t: t.sharding_type == "data_parallel",
+    FusedTable: lambda t: t.choice.fused,
+    CrossShardTable: lambda t: t.cross_shard,
+    DenseTable: lambda t: t.dense_requested or not t.spec.row_separable,
+    LazyTable: lambda t: True,
 }
 
 
-def choose_kernel(
-    optimizer_class: type[torch.optim.Optimizer],
-    optimizer_kwargs: dict[str, Any],
-    device_type: str,
-    *,
-    table: str = "?",
-    settings: dict[str, Any] | None = None,
-) -> KernelChoice:
-    """Decide where ``table``'s update runs on ``device_type``.
-
-    ``settings``: the complete current settings (a live param group); by
-    default the kwargs completed with the class defaults. The fused kernel of a
-    table re-runs this rule on its live param group before every forward, so a
-    setting changed at run time either reaches FBGEMM translated or is refused.
-
-    Raises:
-        ValueError: the device type is unknown, or the optimizer cannot run in
-            backward at all (it needs a closure); the message names the table.
-    """
-    if device_type not in RULES:
-        raise ValueError(f"table {table!r}: no optimizer rules for device type {device_type!r}; known: {sorted(RULES)}")
-    if needs_closure(optimizer_class):
-        raise ValueError(
-            f"table {table!r}: {optimizer_class.__name__} needs a closure in step() and cannot run in backward"
-        )
-    rule = RULES[device_type].get(optimizer_class)
-    if rule is None:
-        return KernelChoice(False, reason=f"{optimizer_class.__name__}: FBGEMM has no kernel verified exact on {device_type}")
-    if settings is None:
-        settings = describe_optimizer(optimizer_class, optimizer_kwargs).defaults
-    return rule(settings, device_type)
-
-
-def kernel_kind(
-    spec: OptimizerSpec | None,
-    choice: KernelChoice,
-    sharding_type: str,
-    *,
-    frozen: bool = False,
-    cross_shard: bool = False,
-    dense_requested: bool = False,
-) -> KernelKind:
-    """The kind of kernel that runs a table (``spec``: its optimizer, None without annotation):
-    the decision table's last column, one line per kind."""
-    if frozen:  # requires_grad=False wins over any annotation, as torch.optim never steps such a weight
-        return KernelKind.FROZEN
-    if spec is None:
-        return KernelKind.USER
-    if sharding_type == "data_parallel":
-        return KernelKind.DATA_PARALLEL
-    if choice.fused:
-        return KernelKind.FUSED
-    if cross_shard:
-        return KernelKind.CROSS_SHARD
-    if dense_requested or not spec.row_separable:
-        return KernelKind.DENSE
-    return KernelKind.LAZY
+def kind_of(facts: TableFacts) -> type[TableKernel]:
+    """The class of the kind of kernel that runs a table: the first of :data:`KINDS` whose test holds."""
+    return next(cls for cls, runs in KINDS.items() if runs(facts))
 
 
 def decide(
@@ -213,10 +122,9 @@ def decide(
         if cross_shard and choice.fused:  # FBGEMM would step each shard on its own statistics
             choice = KernelChoice(False, reason=f"{sharding_type}: FBGEMM would keep a statistic per shard, where "
                                                 "the whole table has one; the fallback carries it across shards")
-    spec = None if group is None else group.spec
-    kind = kernel_kind(spec, choice, sharding_type, frozen=frozen, cross_shard=cross_shard,
-                       dense_requested=table in dense)
-    return TableDecision(table, sharding_type, shape, group, choice, kind, device_type, clip)
+    facts = TableFacts(table, sharding_type, None if group is None else group.spec, choice, frozen=frozen,
+                       cross_shard=cross_shard, dense_requested=table in dense)
+    return TableDecision(table, sharding_type, shape, group, choice, kind_of(facts).kind, device_type, clip)
 
 
 # The compute kernels a plan may name, per device type: "fused" is TorchRec's planner's name for
@@ -344,10 +252,8 @@ def _support(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], sharding_
             return f"refused: not separable by {what}"
     if sharding_type == "data_parallel":
         return "exact, dense (DDP hook)"
-    choice = choose_kernel(cls, kwargs, device, settings=spec.defaults)
-    kind = kernel_kind(spec, choice, sharding_type)
-    kernel = "fused" if choice.fused else "fallback"
-    return f"exact, {'lazy' if kind in (KernelKind.FUSED, KernelKind.LAZY) else 'dense'} ({kernel})"
+    kind = kind_of(TableFacts("?", sharding_type, spec, choose_kernel(cls, kwargs, device, settings=spec.defaults)))
+    return f"exact, {kind.semantics} ({kind.family})"
 
 
 def support_table_markdown(

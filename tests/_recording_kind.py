@@ -1,0 +1,114 @@
+"""A table kind that only the tests define: its lookups are recorded, its weights never updated.
+
+It shows what a new kind costs: this module (the class) and one line of the decision table,
+:data:`sharders.optimizer_table.KINDS`. Nothing else in the library names it. The library's
+line would read ``RecordingTable: lambda t: t.table == "recorded",`` in ``KINDS``; a test adds
+it for the length of a case (:func:`recording_decisions`), first, so that it wins.
+
+Also the rank body of ``tests/test_new_kind.py`` (spawned; not collected by pytest).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Hashable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+
+import overlap_optim
+import sharders
+from _models import ManyTableModel, covering_batch, loss_of
+from _sharded_parity import local_pieces
+from sharders import optimizer_table
+from sharders.frozen import FrozenRows
+from sharders.kernels import BuildContext, TableKernel
+
+
+class RecordingTable(TableKernel):
+    """A table whose lookups are recorded (the ids each of this rank's shards received, by
+    feature, as rows of the whole table) and whose weights never change: its kernel's backward
+    drops the gradient."""
+
+    kind = "recording"
+    semantics = "frozen"  # never stepped
+    family = "recording"
+    sharded_state = False
+
+    def __init__(self, decision: Any) -> None:
+        super().__init__(decision)
+        self.lookups: list[dict[str, torch.Tensor]] = []
+
+    def batch_key(self) -> Hashable:
+        return (self.kind,)
+
+    @classmethod
+    def adopt(cls, kernel: nn.Module, tables: list[TableKernel], context: BuildContext) -> None:
+        FrozenRows.adopt(kernel)  # the lookup, and a backward that drops the gradient
+
+        configs = kernel.config.embedding_tables
+
+        def record(module: nn.Module, args: tuple, output: Any) -> None:
+            features = args[0].to_dict()
+            for table, config in zip(tables, configs):  # a row shard sees its ids less its first row
+                first = config.local_metadata.shard_offsets[0] if config.local_metadata is not None else 0
+                table.lookups.append({f: features[f].values() + first for f in config.feature_names if f in features})
+        kernel.register_forward_hook(record)
+
+    def runs_as(self) -> str:
+        return "recording: looked up and recorded, never updated"
+
+
+@contextlib.contextmanager
+def recording_decisions(table: str = "recorded") -> Iterator[None]:
+    """While inside, the decision table has one line more, first: ``table`` runs as a
+    :class:`RecordingTable`."""
+    original = optimizer_table.KINDS
+    optimizer_table.KINDS = {RecordingTable: lambda t: t.table == table, **original}  # the one line
+    try:
+        yield
+    finally:
+        optimizer_table.KINDS = original
+
+
+NAMES = ["recorded", "trained"]
+
+
+def recorded_and_unchanged(rank: int, world_size: int, sharding_type: str, steps: int = 3) -> dict:
+    """Shard a model with a ``recorded`` table (no annotation) and a ``trained`` one (SGD,
+    fused) under DMP, train ``steps`` steps on this rank's own batches, and return what the test
+    asserts: the ids each rank sent and recorded for ``f_recorded``, how far each table moved,
+    the kinds, and the describe() rows of the recorded table."""
+    model = ManyTableModel(NAMES, seed=0)
+    overlap_optim.apply_optimizer_in_backward(torch.optim.SGD, model.tables["trained"].parameters(), {"lr": 0.5})
+    sharder = sharders.EmbeddingBagCollectionSharder()
+    constraints = {n: ParameterConstraints(sharding_types=[sharding_type], min_partition=4) for n in NAMES}
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
+        constraints=constraints,
+    )
+    with recording_decisions():
+        plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
+        dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    start = {n: [p.clone() for _, _, p in local_pieces(dmp, n)] for n in NAMES}
+    sent = []
+    for step in range(steps):
+        kjt, target = covering_batch(NAMES, torch.Generator().manual_seed(100 * rank + step), cover=False)
+        sent.append(kjt["f_recorded"].values())
+        loss_of(dmp, (kjt, target)).backward()
+    tables = sharders.plan_of(dmp.module.ebc).tables
+    recorded = [ids["f_recorded"] for ids in tables["recorded"].lookups]
+    moved = {n: max((p - s).abs().max().item() for (_, _, p), s in zip(local_pieces(dmp, n), start[n]))
+             for n in NAMES if start[n]}
+    return {
+        "sent": torch.cat(sent).tolist(),
+        "recorded": torch.cat(recorded).tolist() if recorded else [],
+        "moved": moved,
+        "kinds": {n: t.kind if isinstance(t.kind, str) else t.kind.value for n, t in tables.items()},
+        "grads": [n for n, p in dmp.named_parameters() if "recorded" in n and p.grad is not None],
+        "describe": [line for line in sharders.describe(dmp).splitlines() if "recording" in line],
+    }

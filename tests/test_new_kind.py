@@ -1,0 +1,47 @@
+"""A new table kind is its own module and one line of the decision table (2 ranks, gloo).
+
+``tests/_recording_kind.py`` defines a kind that no library module names: a table whose lookups
+are recorded and whose weights never change. Its one line of ``sharders.optimizer_table.KINDS``
+is added for the case; the model is then sharded under DMP beside a fused SGD table, and trained.
+"""
+
+from __future__ import annotations
+
+import ast
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from _recording_kind import recorded_and_unchanged
+from overlap_optim.testing import run_cases, selected_cases
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = {t: partial(recorded_and_unchanged, sharding_type=t) for t in ("table_wise", "row_wise")}
+
+
+@pytest.fixture(scope="module")
+def ranks(request):
+    return run_cases(CASES, selected_cases(request, CASES), timeout=300)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_new_kind_records_every_lookup_and_never_updates(ranks, case):
+    results = ranks[case]
+    sent = sorted(i for r in results for i in r["sent"])
+    recorded = sorted(i for r in results for i in r["recorded"])
+    assert sent and recorded == sent  # every id each rank looked up reached a recording shard, once
+    for result in results:
+        assert result["kinds"] == {"recorded": "recording", "trained": "fused"}
+        assert result["moved"].get("recorded", 0.0) == 0.0
+        assert not result["grads"]
+        assert result["describe"] and all("| frozen |" in row for row in result["describe"]), result["describe"]
+    assert max(r["moved"].get("trained", 0.0) for r in results) > 1e-3  # the rest of the model trained
+
+
+def test_no_library_module_names_the_new_kind():
+    """The kind needs nothing of the library but the decision table's one line (added by the test)."""
+    for package in ("sharders", "overlap_optim"):
+        for path in sorted((ROOT / package).glob("*.py")):
+            names = {n.id for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Name)}
+            assert "RecordingTable" not in names, path
