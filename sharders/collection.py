@@ -56,7 +56,7 @@ from overlap_optim.spec import AnnotationGroup
 from sharders import _private
 from sharders._private import kernels_of
 from sharders.data_parallel import DataParallelWrapper, FullyShardWrapper
-from sharders.kernels import Accumulation, BuildContext, TableKernel, kernel_class
+from sharders.kernels import ROW_SPLITTING, Accumulation, BuildContext, TableKernel, kernel_class
 from sharders.live_settings import install_settings_check
 from sharders.optimizer_table import decide
 from sharders.plan import ShardedModulePlan
@@ -184,6 +184,11 @@ class CollectionSharder:
         )
         return sharded
 
+    def row_split_mean(self, module: nn.Module, table: str, sharding_type: str) -> bool:
+        """Whether ``table`` of ``module`` pools by MEAN and ``sharding_type`` splits its rows."""
+        pooling = next((getattr(c, "pooling", None) for c in self.table_configs(module) if c.name == table), None)
+        return pooling is not None and pooling.name == "MEAN" and sharding_type in ROW_SPLITTING
+
     def named_in(self, option: str, path: str, tables: Iterable[str]) -> frozenset[str]:
         """The tables of the module at ``path`` that ``option`` (``fallback_tables`` or
         ``dense_tables``) names: by table name, or qualified by the module's path
@@ -224,8 +229,10 @@ class CollectionSharder:
                 "goes to your own optimizer, which decides their semantics"
             )
         kernels = {name: kernel_class(d.kind)(d) for name, d in decisions.items()}
+        for name, kernel in kernels.items():
+            kernel.row_split_mean = self.row_split_mean(module, name, params[name].sharding_type)
         if self.variable_batch:
-            refused = {n: why for n, k in kernels.items() if (why := k.why_no_variable_batch()) is not None}
+            refused = {n: why for n, k in kernels.items() if (why := k.variable_batch_refusal()) is not None}
             if refused:
                 raise ValueError(
                     f"variable_batch=True, and the module {path or '(root)'!r} has tables that no kernel runs exactly "

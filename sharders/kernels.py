@@ -225,6 +225,7 @@ class TableKernel:
     def __init__(self, decision: TableDecision) -> None:
         self.decision = decision
         self.shards: list[LocalShard] = []
+        self.row_split_mean = False  # MEAN pooling on row_wise or table_row_wise (set by the sharder)
 
     @property
     def table(self) -> str:
@@ -314,9 +315,17 @@ class TableKernel:
         Called on every rank before the module's first lookup of each step."""
 
     def why_no_variable_batch(self) -> str | None:
-        """Why this table cannot take a batch with a variable batch size per feature (VBE), or None
-        if it can. Asked on every rank before the module's first lookup of a VBE batch."""
+        """Why this kind cannot take a batch with a variable batch size per feature (VBE), or None
+        if it can."""
         return f"it runs as {self.runs_as()}, which has no variable-batch lookup"
+
+    def variable_batch_refusal(self) -> str | None:
+        """Why this table cannot take a VBE batch, or None: its kind's reason, or its pooling's.
+        Asked on every rank before the module's first lookup of a VBE batch (and at sharding, declared)."""
+        if self.row_split_mean:  # measured: 5e-3 off, or an IndexError in TorchRec's divisor
+            return ("MEAN pooling on a row-split table: TorchRec's mean divisor for row_wise and table_row_wise "
+                    "tables takes no variable batch size per feature")
+        return self.why_no_variable_batch()
 
     # -- describe() --
 

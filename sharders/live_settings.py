@@ -106,7 +106,7 @@ def _check_row_split_batches(sharded: nn.Module, tables: dict[str, TableKernel])
 def _check_variable_batch(kernels: list[TableKernel], accumulation: Accumulation, process_group: Any = None) -> None:
     """Refuse a VBE batch, on every rank alike and before any update, naming each table that cannot
     take it (the fallback and data-parallel kinds, FBGEMM's Adagrad, a clipped table, no_step)."""
-    why = {k.table: k.why_no_variable_batch() for k in kernels}
+    why = {k.table: k.variable_batch_refusal() for k in kernels}
     several_ranks = process_group is not None and dist.get_world_size(process_group) > 1
     by_type: dict[str, list[TableKernel]] = {}
     for kernel in kernels:

@@ -169,8 +169,9 @@ class FittingEnumerator(EmbeddingEnumerator):
         except (ValueError, NotImplementedError) as err:
             return str(err)
         kernel = kernel_class(decision.kind)(decision)
-        if sharder.variable_batch and kernel.why_no_variable_batch() is not None:
-            return f"variable_batch=True: {kernel.why_no_variable_batch()}"
+        kernel.row_split_mean = sharder.row_split_mean(module, option.name, option.sharding_type)
+        if sharder.variable_batch and kernel.variable_batch_refusal() is not None:
+            return f"variable_batch=True: {kernel.variable_batch_refusal()}"
         if option.compute_kernel not in kernel.plan_kernels:
             return (f"compute kernel {option.compute_kernel}: the table runs as {kernel.runs_as()}, in "
                     f"{kernel.kernel_for('fused') or 'dense'}, which the sharder would put there instead")

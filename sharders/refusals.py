@@ -108,12 +108,13 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(
         "variable_batch",
         "a batch with a variable batch size per feature (VBE) for an EBC with a data-parallel, frozen or "
-        "unannotated table, or inside no_step; without variable_batch=True also a fused Adagrad or clipped fused "
-        "table",
+        "unannotated table, or a MEAN-pooled row_wise or table_row_wise one, or inside no_step; without "
+        "variable_batch=True also a fused Adagrad or clipped fused table",
         "first step, or shard with variable_batch=True",
         "FBGEMM's dense TBE on CPU ignores the batch sizes per feature (TorchRec's data-parallel and unannotated "
-        "lookups), FBGEMM's variable-batch backward exists for SGD and row-wise Adagrad only and cannot be held "
-        "for a norm, and a no_step window concatenates micro-batches of one batch size",
+        "lookups), TorchRec's mean divisor of row-split tables reads one batch size, FBGEMM's variable-batch "
+        "backward exists for SGD and row-wise Adagrad only and cannot be held for a norm, and a no_step window "
+        "concatenates micro-batches of one batch size",
         "EmbeddingBagCollectionSharder(variable_batch=True) with every table annotated on a model-parallel "
         "sharding type: fused SGD and RowWiseAdagrad where they can, the fallback for the rest",
         r"variable batch size per feature \(VBE\) reached tables that cannot take it|variable_batch=True(, and "

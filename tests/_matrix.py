@@ -449,6 +449,8 @@ def _sharding_types(config: Config, other_plan: bool) -> dict[str, str]:
             new = "table_wise"
         if t.optimizer == "rowwise_adagrad_wd" and new in ("column_wise", "table_column_wise"):
             new = "table_wise"
+        if config.vbe and t.mean and new in ("row_wise", "table_row_wise"):  # refused (docs/refusals.md)
+            new = "column_wise"
         out[t.name] = new
     return out
 
