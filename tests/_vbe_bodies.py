@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 
 
 OPTIMIZERS = {
@@ -48,11 +48,11 @@ def _batch(step: int, rank: int, uneven: bool = False) -> tuple[KeyedJaggedTenso
 
 
 def train(rank: int, world_size: int, optimizer: str, sharding_type: str, steps: int = 3,
-          variable_batch: bool = False, uneven: bool = False) -> dict:
+          variable_batch: bool = False, uneven: bool = False, mean: bool = False) -> dict:
     """One table, looked up by two features with different batch sizes, trained against torch.optim
     on the global batch: the first error ("Type: message") and its step ("shard" at sharding), or
     each step's largest difference and how far the reference moved. ``variable_batch``: the
-    sharder's option."""
+    sharder's option; ``mean``: MEAN pooling."""
     import overlap_optim
     import sharders
     from torchrec.distributed import DistributedModelParallel
@@ -60,8 +60,9 @@ def train(rank: int, world_size: int, optimizer: str, sharding_type: str, steps:
 
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", embedding_dim=DIM, num_embeddings=ROWS,
-                                                            feature_names=["f", "g"])])
-    reference = torch.nn.EmbeddingBag(ROWS, DIM, mode="sum")
+                                                            feature_names=["f", "g"],
+                                                            pooling=PoolingType.MEAN if mean else PoolingType.SUM)])
+    reference = torch.nn.EmbeddingBag(ROWS, DIM, mode="mean" if mean else "sum")
     with torch.no_grad():
         reference.weight.copy_(ebc.embedding_bags["t"].weight)
     cls, kwargs = OPTIMIZERS[optimizer]
