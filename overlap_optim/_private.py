@@ -1,9 +1,11 @@
-"""Every private torch API the core touches, each in one place, each named and checked.
+"""Every private torch (and TorchRec) API the core touches, each in one place, each named and checked.
 
 torch does not promise these across releases. Each is reached only through the
 functions of this module, so an upgrade that removes one breaks one function,
 and ``tests/test_private_apis.py`` names it: it checks every entry of
-:data:`PRIVATE_APIS` against the installed torch.
+:data:`PRIVATE_APIS` against the installed torch. Two TorchRec names the core
+needs without importing ``sharders`` sit here too (``saves_param_groups``,
+``DMP_WRAPPED``); ``sharders/_private.py`` holds the rest of TorchRec's.
 
 The sharded-tensor names (``Shard``, ``ShardedTensor``, ...) live in
 ``torch.distributed._shard``, a private package; they are re-exported from here

@@ -36,7 +36,10 @@ from overlap_optim.update import (
     placeholder_written,
 )
 
-__all__ = ["get_optimizers", "unoptimized_parameters", "InBackwardOptimizer", "unwrapped_parameters", "unwrapped_name", "ddp_prefixes", "unwrapped_path"]
+__all__ = [
+    "get_optimizers", "unoptimized_parameters", "InBackwardOptimizer", "unwrapped_parameters", "unwrapped_name",
+    "ddp_prefixes", "unwrapped_path",
+]
 
 # The group entry naming the optimizer class; it is metadata, not a hyperparameter.
 _CLASS_KEY = "optimizer"

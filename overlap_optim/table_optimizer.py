@@ -339,7 +339,8 @@ class DenseTableOptimizer(TableOptimizer):
     def _make_placeholder(self) -> None:
         """A step on a zero gradient, with the weight put back."""
         kept = self.weight.clone()
-        self.step(torch.empty(0, dtype=torch.long, device=self.weight.device), self.weight.new_zeros(0, self.weight.shape[1]))
+        no_rows = torch.empty(0, dtype=torch.long, device=self.weight.device)
+        self.step(no_rows, self.weight.new_zeros(0, self.weight.shape[1]))
         self.weight.copy_(kept)
 
     def _clear_state(self) -> None:

@@ -29,7 +29,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from overlap_optim.clipping import GradientClipping
 from overlap_optim.record import live_optimizers, set_live_optimizers
-from overlap_optim.table_optimizer import DenseTableOptimizer, RowOptimizer, TableOptimizer, step_tables, step_touched, sum_rows
+from overlap_optim.table_optimizer import (
+    DenseTableOptimizer, RowOptimizer, TableOptimizer, step_tables, step_touched, sum_rows,
+)
 from sharders import _private
 from sharders.kernels import Accumulation, BuildContext, KernelKind, LocalShard, TableKernel
 from sharders.pooling import is_pooled, unpooled_lookup, value_grads, variable_batch_lookup
