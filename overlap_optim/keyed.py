@@ -223,14 +223,14 @@ class InBackwardOptimizer(KeyedOptimizer):
             new_state[key] = {n: _state_schema.whole_tensor(v) if isinstance(v, ShardedTensor) else v
                               for n, v in sorted(new_state[key].items())}
         try:
-            group_of, loaded = self._checked(new_state, new_groups)
+            matched, loaded = self._checked(new_state, new_groups)
             failure = None
         except ValueError as err:
             failure = err
         _state_schema.agree(ranks, failure)
         restore = self._restore_point([k for k in self._tables if new_state.get(k)])
         try:
-            for group, saved in group_of:
+            for group, saved in matched:
                 group.param_group.update({k: v for k, v in saved.items() if k not in ("params", _CLASS_KEY)})
             for key, (tables, table_key) in self._tables.items():
                 if new_state.get(key):
@@ -298,14 +298,14 @@ class InBackwardOptimizer(KeyedOptimizer):
                 "would drop that state (Adam's moments, Adagrad's sums...). Load a state dict saved from "
                 "the whole optimizer after the same steps"
             )
-        group_of = self._match_groups(new_groups)
+        matched = self._match_groups(new_groups)
         loaded = {
             key: _state_schema.check_param_state(key, param, new_state.get(key, {}))
             for key, param in self._in_backward.items()
         }
         for key, (tables, table_key) in self._tables.items():
             tables.check(table_key, new_state.get(key, {}))
-        return group_of, loaded
+        return matched, loaded
 
     def drop_placeholder_state(self) -> None:
         """Undo :meth:`init_state` where nothing was loaded over its placeholders."""
