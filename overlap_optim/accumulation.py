@@ -36,26 +36,43 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from overlap_optim import _private, plans
-from overlap_optim.record import group_of, module_record, record, record_of
+from overlap_optim.record import group_of, module_record, module_record_of, record, record_of
 
-__all__ = ["no_step", "accumulating", "Window", "StepTracker", "track_steps"]
+__all__ = ["no_step", "accumulating", "module_accumulating", "Window", "window_of", "StepTracker", "track_steps"]
 
 
 class Window:
-    """One model's accumulation window: open while :func:`no_step` runs micro-batches whose
-    gradients accumulate and nothing steps. It sits on the model's record; each parameter of the
-    model points to it from its own record (set when ``no_step`` opens it)."""
+    """One model's accumulation window, the one mark of ``no_step``: open while micro-batches run
+    whose gradients accumulate and nothing steps. It sits on the model's record. Everything that
+    holds gradients back points to it from its own record (set when ``no_step`` opens it): each
+    parameter of the model, each sharded module (whose kernels hold their tables' gradients), and
+    each tensor a sharded module's data-parallel lookups reduce.
 
-    __slots__ = ("open",)
+    Attributes:
+        open: inside ``no_step``.
+        pending: micro-batches ran inside ``no_step`` and the window's last has not: their
+            gradients are held outside the optimizer state.
+    """
+
+    __slots__ = ("open", "pending")
 
     def __init__(self) -> None:
         self.open = False
+        self.pending = False
+
+
+def window_of(model: nn.Module) -> Window:
+    """``model``'s window, made if missing."""
+    found = module_record(model)
+    if found.window is None:
+        found.window = Window()
+    return found.window
 
 
 def accumulating(*params: torch.Tensor) -> bool:
     """Whether the window of a model of any of ``params`` is open: its gradient accumulates,
-    nothing steps it. The one accessor of that mark (a DDP bucket asks it for hundreds of
-    parameters, on backward's thread: about 14 us for 300)."""
+    nothing steps it. The one accessor of that mark for tensors (a DDP bucket asks it for hundreds
+    of parameters, on backward's thread: about 14 us for 300)."""
     for param in params:
         found = record_of(param)
         if found is not None and found.window is not None and found.window.open:
@@ -63,15 +80,21 @@ def accumulating(*params: torch.Tensor) -> bool:
     return False
 
 
+def module_accumulating(module: nn.Module) -> bool:
+    """Whether the window of the model of sharded ``module`` is open: its kernels keep their
+    tables' gradients, nothing steps them. The one accessor of that mark for modules."""
+    found = module_record_of(module)
+    return found is not None and found.window is not None and found.window.open
+
+
 class StepTracker:
     """The rule for undeclared accumulation, for one model: whether its keyed optimizer has
     stepped, and whether it has since the model's previous backward."""
 
-    def __init__(self) -> None:
+    def __init__(self, window: Window) -> None:
+        self.window = window
         self.ever_stepped = False
         self.stepped_since_backward = False
-        self.accumulating = False
-        self.window_open = False  # micro-batches ran in no_step; the window's last has not
 
     def stepped(self) -> None:
         """From the keyed optimizer's ``step()``."""
@@ -80,8 +103,8 @@ class StepTracker:
     def backward_started(self) -> None:
         """At the start of each backward of the model (its output's gradient hook), on every rank
         before the model's first collective."""
-        if self.accumulating:
-            self.window_open = True
+        if self.window.open:
+            self.window.pending = True
             return
         if self.ever_stepped and not self.stepped_since_backward:
             raise RuntimeError(
@@ -92,7 +115,7 @@ class StepTracker:
                 "or call step() after every backward (it does nothing but keep schedulers in order)"
             )
         self.stepped_since_backward = False
-        self.window_open = False
+        self.window.pending = False
 
     def _hook_output(self, _module: nn.Module, _inputs: object, output: object) -> None:
         for leaf in _private.tree_leaves(output):
@@ -109,7 +132,7 @@ def track_steps(model: nn.Module) -> StepTracker:
     found = module_record(model)
     tracker = found.step_tracker
     if tracker is None:
-        tracker = found.step_tracker = StepTracker()
+        tracker = found.step_tracker = StepTracker(window_of(model))
         model.register_forward_hook(tracker._hook_output)
     return tracker
 
@@ -148,28 +171,26 @@ def no_step(model: nn.Module) -> Iterator[None]:
             "no_step: nothing in this model is annotated with overlap_optim.apply_optimizer_in_backward, so "
             "nothing steps in backward; accumulate as plain torch does"
         )
-    tracker = track_steps(model)
-    if tracker.accumulating:
+    window = track_steps(model).window
+    if window.open:
         raise RuntimeError("no_step: this model is already inside no_step; nested blocks have no other meaning")
     with contextlib.ExitStack() as stack:
+        members = list(model.parameters())  # unannotated ones too: a clipping set must not clip them yet
         for module in planned:
-            plans.plan_of(module).accumulate(True)  # raises before anything changed, for what it cannot do
-            stack.callback(plans.plan_of(module).accumulate, False)
+            plan = plans.plan_of(module)
+            stack.enter_context(plan.accumulate())  # raises before anything changed, for what it cannot do
+            module_record(module).window = window
+            members += plan.window_members()
         for module in model.modules():
             if isinstance(module, DistributedDataParallel):
                 stack.enter_context(_private.no_sync_unless_first_static(module))
             elif isinstance(module, FSDPModule):  # each FSDP group: no reduce-scatter, no hook, until the last
                 module.set_requires_gradient_sync(False, recurse=False)
                 stack.callback(module.set_requires_gradient_sync, True, recurse=False)
-        tracker.accumulating = True
-        window = module_record(model).window
-        if window is None:
-            window = module_record(model).window = Window()
-        for param in model.parameters():  # unannotated ones too: a clipping set must not clip them yet
-            record(param).window = window
+        for member in members:
+            record(member).window = window
         window.open = True
         try:
             yield
         finally:
-            tracker.accumulating = False
             window.open = False

@@ -65,7 +65,7 @@ class OptimizerHookState:
     """
 
     __slots__ = ("process_group", "world_size", "targets", "managed", "reduction", "local_sgd", "round",
-                 "pending", "running", "clips", "local_sums", "held_back", "plans")
+                 "pending", "running", "clips", "local_sums", "plans")
 
     def __init__(
         self,
@@ -87,8 +87,6 @@ class OptimizerHookState:
         self.running: Reduction | None = None  # this backward's reduction; None between two
         self.clips = list(clips)
         self.local_sums: dict[int, torch.Tensor] = {}  # param id -> gradient kept local inside no_step
-        # Whether no_step holds the update back; by default, whether it marks a bucket's parameters.
-        self.held_back: Callable[[], bool] | None = None
         self.plans: dict[int, _BucketPlan] = {}  # bucket index -> its targets, gradient views and step plan
 
     def settle(self) -> None:
@@ -118,7 +116,7 @@ Reduction = Callable[[OptimizerHookState, dist.GradBucket], torch.futures.Future
 
 def optimizer_hook(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Reduce the bucket with this backward's reduction, then step the annotated parameters in it."""
-    if (state.held_back is not None and state.held_back()) or accumulating(*bucket.parameters()):
+    if accumulating(*bucket.parameters()):
         return _keep_local(state, bucket)
     if state.local_sums:
         _add_local_sums(state, bucket)

@@ -137,7 +137,7 @@ class InBackwardOptimizer(KeyedOptimizer):
         """Nothing to do: backward releases each annotated gradient after its update."""
 
     def _refuse_mid_window(self, what: str) -> None:
-        if self._tracker is not None and self._tracker.window_open:
+        if self._tracker is not None and self._tracker.window.pending:
             raise RuntimeError(
                 f"{what} inside a no_step window: micro-batches have run in overlap_optim.no_step(model) and the "
                 "window's last micro-batch has not, so their gradients are held outside the optimizer state. "

@@ -9,6 +9,7 @@ for :func:`overlap_optim.get_optimizers`. Arrows run from ``sharders`` to here.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -42,10 +43,12 @@ class ModulePlan(Protocol):
     @property
     def state(self) -> TableStates: ...
 
-    def accumulate(self, active: bool) -> None:
-        """Enter (True) or leave (False) ``overlap_optim.no_step``: while active, no table of the
-        module updates in backward; the first backward after leaving updates each once, from
-        the gradients summed since. Raises, naming the tables, for tables it cannot do so."""
+    def accumulate(self) -> contextlib.AbstractContextManager[None]:
+        """What the module needs around ``overlap_optim.no_step`` (its kernels read the model's
+        window from the module's record). Raises, naming the tables, for tables it cannot hold back."""
+
+    def window_members(self) -> list[torch.Tensor]:
+        """Tensors outside the model's parameters whose reduced gradients the window holds back."""
 
 
 def install_plan(module: torch.nn.Module, plan: ModulePlan) -> None:

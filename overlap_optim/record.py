@@ -46,7 +46,7 @@ class ParamRecord:
     state_maker: Callable[[], None] | None = None  # makes fresh state where its step does not (update)
     cross_shard_step: Any = None  # the FSDP2 layer-wise step that updates it (fsdp)
     local_sgd: Any = None  # the local_sgd.QSR that averages it (attached by register_optimizer_hook)
-    window: Any = None  # accumulation.Window of the model no_step last ran it in
+    window: Any = None  # accumulation.Window of the model no_step last ran it in (or that reduces it)
 
 
 @dataclasses.dataclass(eq=False)
@@ -60,7 +60,7 @@ class ModuleRecord:
     meta_annotations: dict[str, Any] | None = None  # data_parallel's record, across TorchRec's init
     held_backward: Any = None  # sharders.fused_backward's hold on an FBGEMM module
     keyed_optimizers: Any = None  # keyed's optimizers checked before a forward
-    window: Any = None  # accumulation.Window of a model no_step ran
+    window: Any = None  # accumulation.Window: of a model (window_of), or of the model of a sharded module
 
 
 def record_of(param: torch.Tensor) -> ParamRecord | None:

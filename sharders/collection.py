@@ -48,6 +48,7 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ParameterSharding, ShardedModule, ShardingEnv, ShardingType
 
 from overlap_optim import plans
+from overlap_optim.accumulation import module_accumulating
 from overlap_optim.annotation import carry_over
 from overlap_optim.clipping import clipping_of, mark_taken
 from overlap_optim.record import group_of
@@ -56,7 +57,7 @@ from overlap_optim.spec import AnnotationGroup
 from sharders import _private
 from sharders._private import kernels_of
 from sharders.data_parallel import DataParallelWrapper, FullyShardWrapper
-from sharders.kernels import ROW_SPLITTING, Accumulation, BuildContext, TableKernel, kernel_class
+from sharders.kernels import ROW_SPLITTING, BuildContext, TableKernel, kernel_class
 from sharders.live_settings import install_settings_check
 from sharders.optimizer_table import decide
 from sharders.plan import ShardedModulePlan
@@ -176,11 +177,11 @@ class CollectionSharder:
         )
         _build(context)
         self.adapt_kernels(sharded)
-        install_settings_check(sharded, tables, context.accumulation, env.process_group)
+        install_settings_check(sharded, tables, env.process_group)
         state = ShardedTables(_private.sharded_weights(sharded), tables, env.process_group, self.tables_attr)
         data_parallel = tuple(m for m in _private.lookups(sharded) if isinstance(m, DistributedDataParallel))
         plans.install_plan(
-            sharded, ShardedModulePlan(tables, context.round, state, context.accumulation, data_parallel)
+            sharded, ShardedModulePlan(tables, context.round, state, data_parallel)
         )
         return sharded
 
@@ -335,7 +336,7 @@ def _build(context: BuildContext) -> None:
     clips = {t.clip.order: t.clip for t in context.tables.values() if t.clip is not None and t.clip.by_norm}
     arms += [clip.arm for _, clip in sorted(clips.items())]  # the same on every rank
     if arms:  # after install: the lookups are final (a frozen kind wraps its data-parallel one again)
-        _arm_from(_private.lookups(context.sharded), [_unless(context.accumulation, arm) for arm in arms])
+        _arm_from(_private.lookups(context.sharded), [_unless(context.sharded, arm) for arm in arms])
 
 
 def _arm_from(lookups: list[nn.Module], arms: list[Callable[[], None]]) -> None:
@@ -348,9 +349,9 @@ def _arm_from(lookups: list[nn.Module], arms: list[Callable[[], None]]) -> None:
         lookup.register_forward_hook(lambda module, args, output: arm_in_backward(output, arms))
 
 
-def _unless(accumulation: Accumulation, arm: Callable[[], None]) -> Callable[[], None]:
+def _unless(sharded: nn.Module, arm: Callable[[], None]) -> Callable[[], None]:
     """``arm``, except inside ``no_step``: the round runs at the window's last micro-batch."""
-    return lambda: None if accumulation.active else arm()
+    return lambda: None if module_accumulating(sharded) else arm()
 
 
 def _with_kernel(sharding: ParameterSharding, table: TableKernel | None) -> ParameterSharding:

@@ -75,7 +75,6 @@ class DataParallelTable(TableKernel):
             if targets:
                 clipped = [clip for _, clip in sorted(clips.items())]
                 state = OptimizerHookState(context.process_group, targets, managed, clips=clipped)
-                state.held_back = lambda: context.accumulation.active  # the lookup's flat weights are no parameter of the model
                 install_optimizer_hook(lookup, state)
 
     def held_state(self, metadata: Any, weight: torch.Tensor | None) -> dict[str, Any]:

@@ -27,13 +27,14 @@ from torchrec.optim.fused import EmptyFusedOptimizer
 from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from overlap_optim.accumulation import module_accumulating
 from overlap_optim.clipping import GradientClipping
 from overlap_optim.record import live_optimizers, set_live_optimizers
 from overlap_optim.table_optimizer import (
     DenseTableOptimizer, RowOptimizer, TableOptimizer, step_tables, step_touched, sum_rows,
 )
 from sharders import _private
-from sharders.kernels import Accumulation, BuildContext, KernelKind, LocalShard, TableKernel
+from sharders.kernels import BuildContext, KernelKind, LocalShard, TableKernel
 from sharders.pooling import is_pooled, unpooled_lookup, value_grads, variable_batch_lookup
 
 __all__ = [
@@ -70,7 +71,7 @@ class FallbackTable(TableKernel):
     def adopt(cls, kernel: nn.Module, tables: list[TableKernel], context: BuildContext) -> None:
         configs = kernel.config.embedding_tables
         makers = [lambda w, t=t, c=c: t.make_optimizer(w, c, context) for t, c in zip(tables, configs)]
-        updates = RowUpdates.adopt(kernel, makers, tables[0].clip, context.accumulation)
+        updates = RowUpdates.adopt(kernel, makers, tables[0].clip, context.sharded)
         for table, config, rows in zip(tables, configs, updates.row_optimizers):
             table.shards.append(LocalShard(config.local_metadata, rows))
         # TorchRec combined its kernels' fused optimizers before we saw them; add ours,
@@ -152,10 +153,9 @@ class RowUpdates:
         kernel: nn.Module,
         row_optimizers: list[TableOptimizer],
         clipping: GradientClipping | None = None,
-        accumulation: Accumulation | None = None,
+        owner: nn.Module | None = None,
     ) -> None:
-        self.kernel, self.row_optimizers, self.clipping = kernel, row_optimizers, clipping
-        self.accumulation = accumulation if accumulation is not None else Accumulation()
+        self.kernel, self.row_optimizers, self.clipping, self.owner = kernel, row_optimizers, clipping, owner
         self.window: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # an open no_step window, summed
         self.layout = _private.dense_kernel_layout(kernel)
         self.pooling_mode = kernel.emb_module.pooling_mode
@@ -169,7 +169,7 @@ class RowUpdates:
         dense: nn.Module,
         tables: list[Callable[[torch.Tensor], TableOptimizer]] = (),
         clipping: GradientClipping | None = None,
-        accumulation: Accumulation | None = None,
+        owner: nn.Module | None = None,
     ) -> RowUpdates:
         """Turn TorchRec's dense kernel ``dense`` (pooled or not) into a fallback kernel in place,
         and return what it runs.
@@ -184,11 +184,11 @@ class RowUpdates:
             tables: for each table (shard) of the kernel, in order, a function from its weight
                 to its table optimizer.
             clipping: the gradient clipping set of the kernel's tables, or None.
-            accumulation: the sharded module's ``no_step`` flag (None: never active).
+            owner: the sharded module, whose model's ``no_step`` window holds the updates back (None: never).
         """
         _private.recast_kernel(dense, _FALLBACK_OF[type(dense)])
         weights = dense.emb_module.split_embedding_weights()
-        dense.row_updates = cls(dense, [make(w) for make, w in zip(tables, weights)], clipping, accumulation)
+        dense.row_updates = cls(dense, [make(w) for make, w in zip(tables, weights)], clipping, owner)
         return dense.row_updates
 
     def optimizer(self) -> FallbackOptimizer:
@@ -249,10 +249,11 @@ class RowUpdates:
             self.pooling_mode, self.layout.feature_table_map, dims, grad_out, indices, offsets, weights, batches
         )
         touched = self._row_grads(features, indices, grad_out)
-        if self.accumulation.active or self.clipping is not None:
+        accumulating = self.owner is not None and module_accumulating(self.owner)
+        if accumulating or self.clipping is not None:
             by_table = {table: sum_rows(ids, grads) for table, ids, grads in touched}
             sums_in_order = [by_table[t] for t in range(len(self.row_optimizers))]
-            if self.accumulation.active:
+            if accumulating:
                 self.window = [sums_in_order]  # the window so far, summed: it holds each touched row once
                 return
             self.window = []

@@ -180,7 +180,7 @@ class FusedTable(TableKernel):
     def adopt(cls, kernel: nn.Module, tables: list[TableKernel], context: BuildContext) -> None:
         names = [t.table for t in tables]
         fused = _FusedKernel(kernel, names, tables[0].group, context.device_type)
-        HeldBackward(kernel.emb_module, names, tables[0].clip, context.accumulation, fused.count)
+        HeldBackward(kernel.emb_module, names, tables[0].clip, context.sharded, fused.count)
         for index, (table, config) in enumerate(zip(tables, kernel.config.embedding_tables)):
             table.shards.append(LocalShard(config.local_metadata, FusedShardState(fused, index, table.state_layout())))
 

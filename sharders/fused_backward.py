@@ -35,10 +35,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from overlap_optim.accumulation import module_accumulating
 from overlap_optim.clipping import GradientClipping
 from overlap_optim.record import module_record, module_record_of
 from sharders.fused_clipping import row_partial_norm
-from sharders.kernels import Accumulation
 from sharders.pooling import Lookup, concatenate_lookups
 
 __all__ = ["HeldBackward", "held_backward_of"]
@@ -54,7 +54,7 @@ class HeldBackward:
 
     Args:
         clip: the clipping set of the kernel's tables (by norm), or None.
-        accumulation: the sharded module's ``no_step`` flag.
+        owner: the sharded module, whose model's ``no_step`` window holds the updates back.
         on_update: called after each update FBGEMM ran.
     """
 
@@ -63,11 +63,11 @@ class HeldBackward:
         emb: nn.Module,
         tables: list[str],
         clip: GradientClipping | None,
-        accumulation: Accumulation,
+        owner: nn.Module,
         on_update: Callable[[], None],
     ) -> None:
         assert clip is None or clip.by_norm, "clipping by value runs in the fallback"
-        self.emb, self.tables, self.clip, self.accumulation = emb, tables, clip, accumulation
+        self.emb, self.tables, self.clip, self.owner = emb, tables, clip, owner
         self.on_update = on_update
         self.pending: list[tuple[Lookup, torch.Tensor]] = []  # the open window's micro-batches
         self._signature = inspect.signature(emb.forward)
@@ -85,7 +85,7 @@ class HeldBackward:
             return None
         bound = self._signature.bind(*args, **kwargs).arguments
         if bound.get("batch_size_per_feature_per_rank") is not None:  # VBE: FBGEMM's own backward
-            if self.clip is not None or self.accumulation.active or self.pending:
+            if self.clip is not None or module_accumulating(self.owner) or self.pending:
                 raise NotImplementedError(
                     f"fused table(s) {self.tables} got a variable batch size per feature (VBE) with gradient "
                     "clipping or inside no_step; pin them to the fallback (fallback_tables=[...])"
@@ -98,7 +98,7 @@ class HeldBackward:
     def backward(self, output: torch.Tensor, lookup: Lookup, grad: torch.Tensor) -> None:
         """From backward, with the lookup's output gradient: update now, hold it for the norm,
         or keep it for the window's last micro-batch."""
-        if self.accumulation.active:
+        if module_accumulating(self.owner):
             self.pending.append((lookup, grad))
             return
         replay = None

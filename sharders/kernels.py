@@ -31,7 +31,6 @@ A new kind is one class in its own module and one line of the decision table
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import math
@@ -46,7 +45,7 @@ from overlap_optim.round import EndOfBackwardRound
 from overlap_optim.spec import AnnotationGroup
 
 __all__ = [
-    "KernelKind", "KernelChoice", "TableDecision", "Accumulation", "ShardState", "LocalShard", "TableKernel", "BuildContext",
+    "KernelKind", "KernelChoice", "TableDecision", "ShardState", "LocalShard", "TableKernel", "BuildContext",
     "UserTable", "kernel_class", "ROW_SPLITTING", "COLUMN_SPLITTING", "split_axis", "LAYOUTS",
 ]
 
@@ -146,28 +145,6 @@ class LocalShard:
 
 
 @dataclasses.dataclass
-class Accumulation:
-    """One sharded module's ``overlap_optim.no_step`` flag, read by its kernels in backward:
-    while ``active``, they keep each micro-batch's gradient instead of updating."""
-
-    active: bool = False
-    _contexts: contextlib.ExitStack | None = None
-
-    def hold_back(self, contexts: list[Any]) -> None:
-        """Become active, inside ``contexts`` (DDP's ``no_sync`` of data-parallel lookups)."""
-        stack = contextlib.ExitStack()
-        for context in contexts:
-            stack.enter_context(context)
-        self._contexts, self.active = stack, True
-
-    def release(self) -> None:
-        """Become inactive: the next backward is the window's last micro-batch."""
-        stack, self._contexts, self.active = self._contexts, None, False
-        if stack is not None:
-            stack.close()
-
-
-@dataclasses.dataclass
 class BuildContext:
     """What a kind needs to take over TorchRec's kernels of one sharded module."""
 
@@ -176,7 +153,6 @@ class BuildContext:
     device_type: str
     round: EndOfBackwardRound
     tables: dict[str, TableKernel]
-    accumulation: Accumulation = dataclasses.field(default_factory=Accumulation)
     tables_attr: str = "embedding_bags"  # where the sharded module keeps its tables (``embeddings`` for an EC)
 
     def table_module(self, table: str) -> nn.Module:

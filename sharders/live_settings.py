@@ -31,9 +31,10 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from overlap_optim.accumulation import module_accumulating
 from sharders import _private
 from sharders.fallback import FallbackTable
-from sharders.kernels import ROW_SPLITTING, Accumulation, TableKernel
+from sharders.kernels import ROW_SPLITTING, TableKernel
 
 __all__ = ["install_settings_check"]
 
@@ -48,7 +49,7 @@ VARIABLE_BATCH_ROUTE = (
 
 
 def install_settings_check(
-    sharded: nn.Module, tables: dict[str, TableKernel], accumulation: Accumulation, process_group: Any = None
+    sharded: nn.Module, tables: dict[str, TableKernel], process_group: Any = None
 ) -> None:
     """Check every table kernel's live settings before ``sharded``'s first lookup, on every rank;
     a batch with a variable batch size per feature (VBE) too, against every table of the module,
@@ -65,7 +66,7 @@ def install_settings_check(
         for kernel in kernels:
             kernel.check_live()
         if inputs and isinstance(inputs[0], KeyedJaggedTensor) and inputs[0].variable_stride_per_key():
-            _check_variable_batch(kernels, accumulation, process_group)
+            _check_variable_batch(kernels, module_accumulating(sharded), process_group)
         for clip in clips:  # before any update of the step: a refused set leaves every weight as it was
             clip.check_members()
 
@@ -103,7 +104,7 @@ def _check_row_split_batches(sharded: nn.Module, tables: dict[str, TableKernel])
         lookup.register_forward_pre_hook(lambda _m, inputs, names=names: check(names, inputs))
 
 
-def _check_variable_batch(kernels: list[TableKernel], accumulation: Accumulation, process_group: Any = None) -> None:
+def _check_variable_batch(kernels: list[TableKernel], accumulating: bool, process_group: Any = None) -> None:
     """Refuse a VBE batch, on every rank alike and before any update, naming each table that cannot
     take it (the fallback and data-parallel kinds, FBGEMM's Adagrad, a clipped table, no_step)."""
     why = {k.table: k.variable_batch_refusal() for k in kernels}
@@ -119,7 +120,7 @@ def _check_variable_batch(kernels: list[TableKernel], accumulation: Accumulation
                     f"a fused and a fallback table share TorchRec's {sharding_type} lookup, whose VBE merging takes "
                     "FBGEMM's fused kernels or dense ones, not both; declare variable_batch=True (the fallback runs "
                     "them all), or give the fused tables another sharding type")
-    if accumulation.active:
+    if accumulating:
         why = {t: r or "inside no_step, and FBGEMM's variable-batch backward cannot be held" for t, r in why.items()}
     refused = {t: r for t, r in why.items() if r is not None}
     if refused:

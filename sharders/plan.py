@@ -8,14 +8,17 @@ reads it through :func:`plan_of`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
+import torch
 from torch import nn
 
 from overlap_optim import plans
 from overlap_optim._private import no_sync_unless_first_static
 from overlap_optim.round import EndOfBackwardRound
-from sharders.kernels import Accumulation, TableKernel
+from sharders.kernels import TableKernel
 from sharders.table_state import ShardedTables
 
 __all__ = ["ShardedModulePlan", "plan_of"]
@@ -27,28 +30,27 @@ class ShardedModulePlan:
         tables: table name -> its kernel (every table of the module, on every rank, in config order).
         round: the module's end-of-backward round (no slots: it runs no collective).
         state: the tables' optimizer state in torch.optim's form.
-        accumulation: the module's ``no_step`` flag, which its kernels read.
     """
 
     tables: dict[str, TableKernel]
     round: EndOfBackwardRound
     state: ShardedTables
-
-    accumulation: Accumulation
     data_parallel: tuple[nn.Module, ...] = ()  # the module's DDP-wrapped lookups
 
-    def accumulate(self, active: bool) -> None:
-        """See :meth:`overlap_optim.plans.ModulePlan.accumulate`: every kernel of the module
-        keeps its micro-batches' gradients while active; data-parallel tables accumulate as
-        the dense part does, under DDP's ``no_sync`` (TorchRec keeps their DDP lookups out of
-        ``modules()``, so it is entered here); frozen and unannotated tables have nothing to
-        hold back."""
-        if active == self.accumulation.active:
-            return
-        if active:
-            self.accumulation.hold_back([no_sync_unless_first_static(ddp) for ddp in self.data_parallel])
-        else:
-            self.accumulation.release()
+    @contextlib.contextmanager
+    def accumulate(self) -> Iterator[None]:
+        """See :meth:`overlap_optim.plans.ModulePlan.accumulate`: data-parallel tables accumulate
+        as the dense part does, under DDP's ``no_sync`` (TorchRec keeps their DDP lookups out of
+        ``modules()``, so it is entered here); every other kernel reads the window itself; frozen
+        and unannotated tables have nothing to hold back."""
+        with contextlib.ExitStack() as stack:
+            for ddp in self.data_parallel:
+                stack.enter_context(no_sync_unless_first_static(ddp))
+            yield
+
+    def window_members(self) -> list[torch.Tensor]:
+        """The flat weights the data-parallel lookups reduce (no parameters of the model)."""
+        return [p for ddp in self.data_parallel for p in ddp.parameters()]
 
 
 def plan_of(module: nn.Module) -> ShardedModulePlan | None:

@@ -1,6 +1,6 @@
 """FBGEMM's backward held back (``sharders.fused_backward``), on FBGEMM's TBE itself, in one process.
 
-A window of micro-batches (``Accumulation`` active for all but the last) must equal one
+A window of micro-batches (the ``no_step`` window open for all but the last) must equal one
 ``torch.optim`` step on the summed gradient of copies of the tables, rows touched by several
 micro-batches and by none included; with clipping, ``clip_grad_norm_`` of that sum first. The
 weights are compared after every window; the reference must move. The 2-rank cases, through the
@@ -15,7 +15,7 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 from overlap_optim import apply_gradient_clipping
 from sharders.fused_backward import HeldBackward
-from sharders.kernels import Accumulation
+from overlap_optim.accumulation import window_of
 from test_fused_clipping import _batch, _reference_lookup, _tbe
 
 
@@ -37,13 +37,13 @@ def test_a_window_is_one_update_on_the_summed_gradient(k, clipped):
             (_reference_lookup(probe, ftm, *micro, "sum") * head).sum().backward()
         bound = 0.3 * torch.nn.utils.get_total_norm([t.grad for t in probe]).item()
         clip = apply_gradient_clipping([torch.zeros(1, requires_grad=True)], max_norm=bound)
-    accumulation, updates = Accumulation(), []
-    HeldBackward(emb, ["t0", "t1"], clip, accumulation, lambda: updates.append(1))
+    held, updates = window_of(emb), []  # the TBE stands for the sharded module that owns it
+    HeldBackward(emb, ["t0", "t1"], clip, emb, lambda: updates.append(1))
     for w, window in enumerate(windows):
         for m, (indices, offsets, weights) in enumerate(window):
-            accumulation.active = m < k - 1
+            held.open = m < k - 1
             out = emb(indices=indices, offsets=offsets, per_sample_weights=weights)
-            if clip is not None and not accumulation.active:
+            if clip is not None and not held.open:
                 out.register_hook(lambda _g: clip.arm())  # what the sharder's forward hook does
             (out * head).sum().backward()
             (_reference_lookup(tables, ftm, indices, offsets, weights, "sum") * head).sum().backward()

@@ -27,7 +27,6 @@ from overlap_optim import apply_gradient_clipping
 from sharders import fused_clipping
 from sharders.fused_backward import HeldBackward
 from sharders.fused_clipping import row_partial_norm
-from sharders.kernels import Accumulation
 
 ROWS = 30
 BATCH = 5
@@ -113,7 +112,7 @@ def test_the_held_update_is_torchs_update_of_the_clipped_gradient(optimizer, ref
     (_reference_lookup(probe, ftm, *batches[0], "sum") * head).sum().backward()
     bound = 0.3 * torch.nn.utils.get_total_norm([t.grad for t in probe]).item()
     clip = apply_gradient_clipping([torch.zeros(1, requires_grad=True)], max_norm=bound)
-    HeldBackward(emb, ["t0", "t1"], clip, Accumulation(), lambda: None)
+    HeldBackward(emb, ["t0", "t1"], clip, emb, lambda: None)
     for step, (indices, offsets, weights) in enumerate(batches):
         out = emb(indices=indices, offsets=offsets, per_sample_weights=weights)
         out.register_hook(lambda _g: clip.arm())  # what the sharder's forward hook does
