@@ -106,12 +106,11 @@ class GradientClipping:
         self.local = False
         self._replicated: set[int] = set()  # ids of unannotated members every rank holds alike (DDP)
         op = "max" if math.isinf(norm_type) else "sum"
-        self.round = EndOfBackwardRound(None, Phase.CLIP, op)
+        self.round = EndOfBackwardRound(None, Phase.CLIP, op, start=self._start)
         if max_norm is not None:  # by value, the round only clips the unannotated members: no slot, no collective
             self.round.register("norm", 1)
         self._held: list[tuple[list[torch.Tensor], Callable[[], None]]] = []
         self._coefficient = torch.ones(())
-        self._armed_in: int | None = None
 
     # -- settings --
 
@@ -147,16 +146,16 @@ class GradientClipping:
     # -- participants --
 
     def arm(self) -> None:
-        """From backward, on every rank that takes part: the set's round runs when backward ends."""
-        backward = _private.backward_id()
-        if self._armed_in == backward:
-            return
-        self._armed_in = backward
+        """From backward, on every rank that takes part: the set's round runs when backward ends
+        (once per backward: the round keeps that rule)."""
+        self.round.arm()
+
+    def _start(self) -> None:
+        """The round's first arming in a backward: a fresh norm."""
         self._held = []
         if self.by_norm:
             self.round.contribute("norm", torch.zeros(1, dtype=torch.float64), self._finish)
         self.round.before(self._gather_unannotated)
-        self.round.arm()
 
     def clip(self, grads: list[torch.Tensor], then: Callable[[], None], *, replicated: bool = False) -> None:
         """Clip ``grads`` (final gradients, changed in place), then run ``then()``, the update

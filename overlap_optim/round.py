@@ -10,10 +10,12 @@ Such work joins a round of the backward pass it belongs to:
    partial sums for its slot (:meth:`EndOfBackwardRound.contribute`), and the
    function that finishes its step once they are reduced.
 2. **Reduce.** When backward ends, the round reduces every slot across the
-   ranks of its process group in **one** ``all_reduce`` of one flat float64
-   buffer (a sum, or a max), however many participants there are. A rank that
-   holds nothing for a slot contributes zeros, so every rank runs the same
-   collective.
+   ranks of its process group in one flat float64 buffer (a sum, or a max),
+   however many participants there are. A rank that holds nothing for a slot
+   contributes zeros, so every rank runs the same collective. The rounds of one
+   phase that reduce over the same process group with the same op share
+   **one** ``all_reduce``: a step runs one per phase and group, however many
+   clipping sets and sharded modules it has.
 3. **Finish.** Each participant finishes its step with the reduced values of
    its slot, in the order it contributed.
 
@@ -31,7 +33,11 @@ Slots are registered (:meth:`EndOfBackwardRound.register`) in the same order
 and with the same sizes on every rank, before the first backward. A participant
 arms the round from backward (:meth:`EndOfBackwardRound.arm`); every rank must
 arm it in the same backward, which holds when every rank runs some autograd
-node that arms it (each sharded kernel does). A round with no slot, or
+node that arms it (each sharded kernel does). Rounds that share an
+``all_reduce`` lie in its buffer in the order they were first armed in that
+backward, which is backward's own order on backward's thread, the same on every
+rank. The round keeps the once-per-backward rule: its ``start`` runs when it is
+first armed in a backward, and arming it again is nothing. A round with no slot, or
 with empty slots only, runs no collective (its participants still finish); neither
 does a ``local`` one (its sums are this process's own).
 
@@ -72,6 +78,7 @@ class EndOfBackwardRound:
         phase: when it runs among the rounds of one backward.
         op: how slots combine, within a process and across ranks: "sum" or "max".
         local: reduce nothing across ranks (each process's own sums).
+        start: run when the round is first armed in a backward (a clipping set's fresh norm).
 
     Attributes:
         rounds: how many rounds reduced slots so far (one per backward at most).
@@ -90,9 +97,12 @@ class EndOfBackwardRound:
         phase: Phase = Phase.STATISTICS,
         op: str = "sum",
         local: bool = False,
+        start: Callable[[], None] | None = None,
     ) -> None:
         assert op in _OPS, op
         self.process_group, self.phase, self.op, self.local = process_group, phase, op, local
+        self.start = start
+        self._armed_in: int | None = None  # the backward that armed it last
         self.slots: dict[str, tuple[int, int]] = {}  # key -> (offset, size)
         self.size = 0
         self.rounds = 0
@@ -140,25 +150,47 @@ class EndOfBackwardRound:
         return arm_in_backward(output, [self.arm])
 
     def arm(self) -> None:
-        """From backward: run the round when this backward ends (once per backward)."""
-        _SCHEDULE.arm(self)
+        """From backward: run the round when this backward ends. Once per backward: the first
+        call runs ``start``, a later one is nothing. From another thread of the running backward
+        (DDP's communication thread, where a bucket's update runs) it must be armed already."""
+        backward = _private.backward_id()
+        if backward == -1:  # not backward's thread: DDP's communication thread, inside the running backward
+            assert self._armed_in is not None, "a round is armed first from backward's own thread"
+            return
+        if self._armed_in == backward:
+            return
+        self._armed_in = backward
+        _SCHEDULE.arm(self, backward)
+        if self.start is not None:
+            self.start()
 
     @torch.no_grad()
     def run(self) -> None:
-        """Run the ``before`` work, reduce every slot in one all-reduce, then finish each participant."""
+        """Run this round alone: its ``before`` work, its one all-reduce, each participant's finish."""
+        _run_together([self])
+
+    def _gather(self) -> torch.Tensor:
+        """Run the ``before`` work, then sum (or max) this process's contributions into a fresh buffer."""
         before, self._before = self._before, []
         for work in before:
             work()
-        contributed, self._contributed = self._contributed, []
         buffer = torch.zeros(self.size, dtype=torch.float64)
         combine = _OPS[self.op][0]
-        for key, partials, _ in contributed:
+        for key, partials, _ in self._contributed:
             offset, size = self.slots[key]
             part = buffer[offset : offset + size]
             part.copy_(combine(part, partials.reshape(-1).to(torch.float64)))
+        return buffer
+
+    def _reduces(self) -> bool:
+        """Whether the round reduces across ranks (False: local, one process, or no floats)."""
+        return bool(self.size) and not self.local and dist.is_initialized() and dist.get_world_size(
+            self.process_group) > 1
+
+    def _finish(self, buffer: torch.Tensor) -> None:
+        """Each participant's finish, with the reduced ``buffer``, in the order it contributed."""
+        contributed, self._contributed = self._contributed, []
         if self.size:  # empty slots only (LARS on vectors): nothing to reduce, each still finishes
-            if not self.local and dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
-                dist.all_reduce(buffer, op=_OPS[self.op][1], group=self.process_group)
             self.rounds += 1
         for key, _, finish in contributed:
             if finish is not None:
@@ -166,7 +198,7 @@ class EndOfBackwardRound:
                 finish(buffer[offset : offset + size])
 
     def discard(self) -> None:
-        """Forget this backward's contributions and work (after an error)."""
+        """Forget this backward's contributions and work (after an error; nothing after a run)."""
         self._contributed, self._before = [], []
 
     def take_deferred(self) -> list[Callable[[], None]]:
@@ -180,6 +212,27 @@ _OPS = {
 }
 
 
+def _run_together(rounds: list[EndOfBackwardRound]) -> None:
+    """Run ``rounds`` (of one phase): each one's ``before`` work, one all-reduce for those that
+    reduce over the same process group with the same op (their buffers laid end to end, in the
+    order of ``rounds``), then each participant's finish, round by round."""
+    buffers = [round_._gather() for round_ in rounds]
+    shared: dict[tuple[object, str], list[int]] = {}  # (group, op) -> indices into rounds
+    for i, round_ in enumerate(rounds):
+        if round_._reduces():
+            group = round_.process_group if round_.process_group is not None else dist.group.WORLD
+            shared.setdefault((group, round_.op), []).append(i)
+    with torch.no_grad():
+        for (group, op), members in shared.items():
+            flat = torch.cat([buffers[i] for i in members]) if len(members) > 1 else buffers[members[0]]
+            dist.all_reduce(flat, op=_OPS[op][1], group=group)
+            if len(members) > 1:
+                for i, part in zip(members, flat.split([rounds[i].size for i in members])):
+                    buffers[i] = part
+        for round_, buffer in zip(rounds, buffers):
+            round_._finish(buffer)
+
+
 class _Schedule:
     """The rounds armed in the running backward: one callback at its end runs them by phase."""
 
@@ -187,15 +240,14 @@ class _Schedule:
         self.armed: list[EndOfBackwardRound] = []
         self.queued: int | None = None  # the backward whose end runs them
 
-    def arm(self, round_: EndOfBackwardRound) -> None:
-        backward = _private.backward_id()
+    def arm(self, round_: EndOfBackwardRound, backward: int) -> None:
+        """Arm ``round_`` (not armed yet) for the running ``backward``."""
         if self.queued is not None and self.queued != backward:  # that backward raised before its end
             for stale in self.armed:
                 stale.discard()
                 stale.take_deferred()
             self.armed, self.queued = [], None
-        if not any(r is round_ for r in self.armed):
-            self.armed.append(round_)
+        self.armed.append(round_)
         if self.queued is None:
             _private.queue_end_of_backward(self._requeue)
             self.queued = backward
@@ -211,11 +263,14 @@ class _Schedule:
         ran: list[EndOfBackwardRound] = []
         try:
             while self.armed:  # a finish may arm a later phase's round
-                next_ = min(self.armed, key=lambda r: r.phase)  # stable: first armed first
-                self.armed.remove(next_)
-                ran.append(next_)
-                next_.run()
+                phase = min(r.phase for r in self.armed)
+                now = [r for r in self.armed if r.phase == phase]  # first armed first
+                self.armed = [r for r in self.armed if r.phase != phase]
+                ran += now
+                _run_together(now)
         finally:
+            for dropped in ran:  # nothing left after a finish that ran; a raise leaves the rest unfinished
+                dropped.discard()
             for dropped in self.armed:
                 dropped.discard()
                 ran.append(dropped)
