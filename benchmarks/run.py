@@ -29,8 +29,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when OpenMP starts: 
 import torch  # noqa: E402
 
 from benchmarks import (  # noqa: E402
-    accumulation, clipping, dense_hook, ec_vs_torchrec, fallback, fsdp, layerwise, limit, local_sgd, scaling,
-    sparse_vs_torchrec, virtual_groups,
+    accumulation, clipping, dense_hook, ec_vs_torchrec, fallback, fsdp, layerwise, limit, local_sgd, round_phases,
+    scaling, sparse_vs_torchrec, virtual_groups,
 )
 
 log = logging.getLogger("benchmarks")
@@ -47,6 +47,7 @@ MODULES = {
     "clipping": clipping,
     "accumulation": accumulation,
     "fsdp": fsdp,
+    "round_phases": round_phases,
 }
 FULL_COMMAND = ".venv/bin/python -m benchmarks.run --out benchmarks/results --docs docs/benchmarks.md"
 QUICK_COMMAND = ".venv/bin/python -m benchmarks.run --quick --out /tmp/bench"
@@ -208,6 +209,24 @@ NOTES = {
         "1.07 before; `ddp_clip / ours_clipped` 1.36, 1.41, 1.45 and 1.19, 1.24, 1.22. Memory: ours holds the DDP buckets "
         "(views, no copy) until the norm is known, as torch holds `.grad`: the peaks are the same."
     ),
+    "round_phases": (
+        "**The counts are the claim; the step times cannot show it here.** Today every round is its own "
+        "all-reduce: `separate` issues 2 CLIP and 3 STATISTICS all-reduces per step (5 rounds; 1 and 1 once "
+        "rounds of one phase and process group merge, the targets, missed until then), `one_set` 1 + 3, "
+        "`one_module` 2 + 1, `unclipped` 0 + 3; the same on both ranks, and the same round bytes whatever the "
+        "grouping but for the norm's 8 bytes per clipping set (the slots travel either way). Besides the rounds, "
+        "each step makes one all-reduce in the DDP hook (the MLP's bucket) and, in the profiler's count, one per "
+        "row_wise module: TorchRec's reduce-scatter of the pooled embeddings, which gloo runs as an all-reduce. "
+        "One gloo all-reduce of one float64 takes 0.10-0.16 ms on this machine, so the 5 rounds are 1-2% of a "
+        "38-53 ms step, well inside the run-to-run spread (the machine was shared, load average 5-6 on 2 cores; "
+        "each peer's p25-p75 spans 30-60% of its median): four runs of `separate / one_set` (one CLIP all-reduce "
+        "more) gave 1.09, 1.07, 0.97, 1.08, `separate / unclipped` 1.04, 1.00, 1.00, 1.03. `separate / "
+        "one_module` (1.37, 1.39, 1.28, 1.44) is the cost of 3 sharded modules, each with its own input and "
+        "output dists, far more than its 2 extra STATISTICS all-reduces. Across machines, where an all-reduce "
+        "costs its network latency, the count is what costs. Adafactor runs with `eps=(1e-16, 1e-3)`: with "
+        "torch's default eps1 the clipped gradients of the split tables met the variance floor, and the "
+        "cross-shard step refused to go on (`overlap_optim/cross_shard.py`)."
+    ),
     "accumulation": (
         "Both peers run the same 4 micro-batches per round. A window makes one update where 4 steps make 4: the "
         "fused tables run one FBGEMM backward over the concatenated micro-batches (plus one extra lookup "
@@ -326,6 +345,12 @@ def _details(result: dict, plots_from: str) -> list[str]:
         lines += ["| peer | median s | p25 s | p75 s |", "| --- | --- | --- | --- |"]
         lines += [f"| {p} | {t['median_s']:.4f} | {t['p25_s']:.4f} | {t['p75_s']:.4f} |"
                   for p, t in result["timings"].items()]
+        lines.append("")
+    if "all_reduces" in result:
+        columns = list(next(iter(result["all_reduces"].values())))
+        lines += ["| all-reduces per step | " + " | ".join(columns) + " |", "| --- |" + " --- |" * len(columns)]
+        lines += [f"| {peer} | " + " | ".join(f"{counts[c]:g}" for c in columns) + " |"
+                  for peer, counts in result["all_reduces"].items()]
         lines.append("")
     if "peak_rss_kib" in result:
         lines += ["| peer | peak RSS (MiB, max over ranks) |", "| --- | --- |"]

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -40,6 +42,15 @@ def test_quick_benchmarks_write_report_and_json(tmp_path):
     assert set(accumulation["peak_rss_kib"]) == {"steps", "window", "window_fallback"}
     held = accumulation["held_before_last_micro_batch_mib"]
     assert 0 < held["2"] < held["4"] < held["8"], held  # JSON keys: k as text
+    rounds = results["benchmarks"]["round_phases"]
+    assert set(rounds["timings"]) == {"separate", "one_set", "one_module", "unclipped"}
+    counts = rounds["all_reduces"]
+    # one all-reduce per round (2 clipping sets, 3 modules), or one per phase once rounds of a phase merge
+    assert (counts["separate"]["CLIP"], counts["separate"]["STATISTICS"]) in {(2, 3), (1, 1)}, counts
+    assert counts["one_set"]["CLIP"] == 1 and counts["unclipped"]["CLIP"] == 0, counts
+    assert counts["one_module"]["STATISTICS"] == 1 and counts["separate"]["SETTLE"] == 0, counts
+    assert all(c["rounds"] + c["other all_reduce calls"] <= c["every gloo all-reduce"] for c in counts.values())
+    assert all(bound["binds"] for bounds in rounds["setup"]["bounds"].values() for bound in bounds)
     limit = results["benchmarks"]["limit"]
     assert limit["limit"]["triad_gb_s"] > 0 and len(limit["achieved"]) == 3
     assert all(len(ops) == 5 for ops in limit["profiles"].values())
@@ -48,6 +59,7 @@ def test_quick_benchmarks_write_report_and_json(tmp_path):
     assert (tmp_path / "scaling.png").stat().st_size > 10_000
     report = (tmp_path / "report.md").read_text()
     assert "dense / fallback" in report and "quick smoke mode" in report
+    assert "| all-reduces per step | SETTLE | CLIP | STATISTICS |" in report
     assert re.search(r"\| >= 10 \| (met|\*\*missed\*\*) \|", report), "each target gets a verdict"
     assert "![scaling.png](scaling.png)" in report
     docs = (tmp_path / "docs.md").read_text()
@@ -74,3 +86,23 @@ def test_a_started_process_reports_its_own_peak_rss_not_its_parents():
     assert own < 2 << 20, (own, inherited)  # KiB: the child (torch imported) is well under 2 GiB
     if sys.platform == "linux":  # the reason for the helper: Linux's ru_maxrss carried the parent's 3 GiB over
         assert inherited >= 3 << 20, (own, inherited)
+
+
+def test_round_phases_reads_the_phase_from_the_frames_that_issue_an_all_reduce():
+    """benchmarks/round_phases.py counts the rounds' all-reduces by phase without knowing the
+    schedule's code, so that the count holds when rounds of one phase merge: the phase is read
+    from what the issuing frames hold (a round, the rounds of one phase, a Phase)."""
+    from benchmarks.round_phases import UNKNOWN, _issuer
+    from overlap_optim.round import EndOfBackwardRound, Phase
+
+    def issued(first=None, second=None):
+        return _issuer(sys._getframe())
+
+    assert issued(torch.zeros(2), [1, 2]) is None  # no round's (no round is in this test's frame yet)
+    clip, statistics = EndOfBackwardRound(None, Phase.CLIP), EndOfBackwardRound(None, Phase.STATISTICS)
+    assert issued(clip) == "CLIP"  # EndOfBackwardRound.run: its self
+    assert issued(clip, [statistics, clip]) == "CLIP"  # beside the list of every armed round
+    assert issued([statistics, statistics]) == "STATISTICS"  # merged: the rounds of one phase
+    assert issued({("STATISTICS", None): [statistics]}) == "STATISTICS"  # merged, keyed by phase and group
+    assert issued(Phase.STATISTICS, torch.zeros(2)) == "STATISTICS"
+    assert issued([clip, statistics]) == issued(clip, statistics) == UNKNOWN  # a round's, phase not told
