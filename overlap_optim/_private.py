@@ -48,7 +48,8 @@ __all__ = [
     "foreach",
     "fused",
     "fsdp_taken",
-    "fsdp_uid",
+    "label_fsdp_uid",
+    "fsdp_uid_label",
     "tree_leaves",
     "tensor_version",
     "MODULE_PARAMETERS",
@@ -304,13 +305,36 @@ def fsdp_taken(module: torch.nn.Module) -> list[tuple[int, torch.Tensor]]:
     return [(p._orig_param_uid, p.sharded_param) for group in state._fsdp_param_groups for p in group.fsdp_params]
 
 
-def fsdp_uid(param: torch.Tensor) -> int:
-    """The id FSDP2 gives ``param`` if ``fully_shard`` takes it, given now (FSDP2 keeps an id it
-    finds on the parameter). Private: ``_fsdp_param._get_orig_param_uid``, which sets
-    ``param._fsdp_orig_uid`` from FSDP2's own counter."""
+class _LabelledUid(int):
+    """FSDP2's id of a parameter that carries a label (what overlap_optim annotated it with)."""
+
+    label: str
+
+    def __new__(cls, uid: int, label: str) -> _LabelledUid:
+        made = super().__new__(cls, uid)
+        made.label = label
+        return made
+
+    def __reduce__(self) -> tuple[type, tuple[int, str]]:  # copy.deepcopy and pickle keep the label
+        return type(self), (int(self), self.label)
+
+
+def label_fsdp_uid(param: torch.Tensor, label: str) -> None:
+    """Give ``param`` now the id FSDP2 gives it if ``fully_shard`` takes it, carrying ``label``.
+
+    FSDP2 keeps an id it finds on the parameter, and keeps that very object in its record of the
+    parameter it replaced (``FSDPParam._orig_param_uid``), on the module: so the label outlives the
+    replaced parameter (:func:`fsdp_uid_label` reads it from :func:`fsdp_taken`), and no table of
+    ids is kept. Private: ``_fsdp_param._get_orig_param_uid``, which sets ``param._fsdp_orig_uid``
+    from FSDP2's own counter."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param
 
-    return _fsdp_param._get_orig_param_uid(param)
+    param._fsdp_orig_uid = _LabelledUid(_fsdp_param._get_orig_param_uid(param), label)
+
+
+def fsdp_uid_label(uid: int) -> str | None:
+    """The label :func:`label_fsdp_uid` gave FSDP2's id ``uid``, or None."""
+    return uid.label if isinstance(uid, _LabelledUid) else None
 
 
 def _fsdp_contract() -> object:
@@ -321,7 +345,8 @@ def _fsdp_contract() -> object:
     assert "_fsdp_orig_uid" in probe.__dict__, "FSDP2 no longer marks the original parameter"
     assert "_orig_param_uid" in _fsdp_param.FSDPParam.__annotations__, "FSDPParam._orig_param_uid is gone"
     assert "sharded_param" in _fsdp_param.FSDPParam.__annotations__, "FSDPParam.sharded_param is gone"
-    assert _fsdp_param._get_orig_param_uid(probe) == probe._fsdp_orig_uid, "FSDP2 no longer keeps a given id"
+    label_fsdp_uid(probe, "probe")
+    assert fsdp_uid_label(_fsdp_param._get_orig_param_uid(probe)) == "probe", "FSDP2 no longer keeps the id it finds"
     assert isinstance(_fsdp_state.FSDPState()._fsdp_param_groups, list), "FSDPState._fsdp_param_groups is gone"
     return probe
 

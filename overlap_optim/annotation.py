@@ -27,11 +27,6 @@ __all__ = [
     "needs_closure", "annotation_of_fsdp_uid", "replace_step_hook", "carry_over", "refuse_lost_meta_annotations",
 ]
 
-# FSDP2's id of every parameter ever annotated (given at annotation) -> what it was annotated with.
-# Labels only, no tensors: the record outlives a Parameter object that torch's fully_shard replaced
-# and the garbage collector took with its annotation group.
-_ANNOTATED_UIDS: dict[int, str] = {}
-
 # Constructor arguments that are not settings a user may pass as kwargs.
 _CONSTRUCTOR_ONLY = ("params",)
 
@@ -193,9 +188,9 @@ def refuse_lost_meta_annotations(module: torch.nn.Module, name: Callable[[str], 
 
 
 def annotation_of_fsdp_uid(uid: int) -> str | None:
-    """What the parameter that FSDP2 knows as ``uid`` was annotated with (shape and optimizer), if it
-    was annotated; it may be gone since."""
-    return _ANNOTATED_UIDS.get(uid)
+    """What the parameter that FSDP2 knows as ``uid`` (as :func:`~overlap_optim._private.fsdp_taken`
+    gives it) was annotated with (shape and optimizer), if it was annotated; it may be gone since."""
+    return _private.fsdp_uid_label(uid)
 
 
 def replace_step_hook(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
@@ -218,7 +213,9 @@ def _annotate(param: torch.Tensor, group: AnnotationGroup) -> None:
     _remove_hooks(param)
     annotate(param, group, keep_optimizers=keep_state)
     group.param_group["params"].append(param)
-    _ANNOTATED_UIDS[_private.fsdp_uid(param)] = f"{tuple(param.shape)} ({group.spec.name})"
+    # On FSDP2's id of it, which FSDP2 keeps on the module: it outlives a Parameter object that torch's
+    # fully_shard replaced and the garbage collector took with its annotation group.
+    _private.label_fsdp_uid(param, f"{tuple(param.shape)} ({group.spec.name})")
     live_optimizer(param)
     handle = param.register_post_accumulate_grad_hook(step_when_ready)
     # The same registry torch uses, so that DDP's lazy init finds and removes it.

@@ -94,7 +94,9 @@ class InBackwardOptimizer(KeyedOptimizer):
                 groups.setdefault(id(group), group)
                 self._table_keys_of.setdefault(id(group), []).append(_join(path, key))
         # Creation order: the same on every rank and whatever the plan.
-        self._groups = sorted(groups.values(), key=lambda g: g.order)
+        self._groups = sorted(groups.values(), key=lambda g: g.made)
+        for index, group in enumerate(self._groups):
+            group.index = index
         all_params = {**params, **{k: t.weight(key) for k, (t, key) in self._tables.items()}}
         super().__init__(all_params, _LiveState(params), [g.param_group for g in self._groups])
         self._in_backward = params

@@ -57,7 +57,6 @@ class ModuleRecord:
     step_tracker: Any = None  # accumulation.StepTracker of a model
     warned_bare: list[str] | None = None  # get_optimizers warned once about these unoptimized parameters
     meta_params: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # meta_params' record
-    meta_annotations: dict[str, Any] | None = None  # data_parallel's record, across TorchRec's init
     held_backward: Any = None  # sharders.fused_backward's hold on an FBGEMM module
     keyed_optimizers: Any = None  # keyed's optimizers checked before a forward
     window: Any = None  # accumulation.Window: of a model (window_of), or of the model of a sharded module

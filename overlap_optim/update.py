@@ -209,9 +209,13 @@ def step_param(param: torch.Tensor) -> None:
 def check_live(param: torch.Tensor) -> None:
     """Refuse a fixed (non-float) setting of ``param``'s group changed since annotation."""
     group = group_of(param)
-    group.spec.check_live(
-        group.param_group,
-        lambda: f"a parameter of shape {tuple(param.shape)} in param group {group.order} ({group.spec.name})")
+    group.spec.check_live(group.param_group, lambda: f"a parameter of shape {tuple(param.shape)} in {_named(group)}")
+
+
+def _named(group: AnnotationGroup) -> str:
+    """``group`` as an error names it: by its place in ``get_optimizers``' param groups once listed."""
+    where = "its annotation group" if group.index is None else f"param group {group.index}"
+    return f"{where} ({group.spec.name})"
 
 
 def init_placeholder_state(param: torch.Tensor) -> None:

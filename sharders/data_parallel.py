@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,12 +25,12 @@ from torchrec.distributed.types import ShardedModule, ShardingEnv
 
 import overlap_optim
 
-from overlap_optim.annotation import reattach_annotations, record_annotations
+from overlap_optim.annotation import carry_over
 from overlap_optim.clipping import join_clipping
 from overlap_optim.comm_hooks import OptimizerHookState
 from overlap_optim.ddp import install_optimizer_hook, register_optimizer_hook
 from overlap_optim.local_sgd import QSR
-from overlap_optim.record import annotate, live_optimizers, module_record, set_live_optimizers
+from overlap_optim.record import annotate, live_optimizers, set_live_optimizers
 from overlap_optim.spec import AnnotationGroup
 from sharders import _private
 from sharders.kernels import BuildContext, KernelKind, TableKernel
@@ -121,9 +120,9 @@ class DataParallelWrapper(DefaultDataParallelWrapper):
 
     A model built on the meta device keeps its annotations: DMP's
     ``init_parameters`` replaces each meta parameter with a new one, and the
-    wrapper annotates the new parameter as its predecessor was (by FQN). The
-    record is taken when DMP registers the model, before ``init_parameters``
-    runs, by a module-registration hook that lives as long as this wrapper.
+    wrapper annotates the new parameter as its predecessor was (by FQN), from
+    the record each module keeps of its annotated meta parameters
+    (:func:`overlap_optim.annotation.carry_over`).
 
     Example:
         >>> model = DistributedModelParallel(model, plan=plan, sharders=[sharder],
@@ -135,11 +134,10 @@ class DataParallelWrapper(DefaultDataParallelWrapper):
         layers and data-parallel tables); sharded tables stay synchronous."""
         super().__init__(*args, **kwargs)
         self.local_sgd = local_sgd
-        self._recording = _record_when_registered(self)
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
         refuse_managed_collision(dmp.module)
-        reattach_annotations(dmp.module, _take_recorded(dmp))
+        carry_over(dmp.module)  # before DDP takes the parameters that init_parameters made
         with _private.comm_hook_left_to_us(self) as comm:  # else TorchRec registers its own compress hook
             super().wrap(dmp, env, device)
         wrapped = _private.wrapped_module(dmp)
@@ -172,39 +170,12 @@ class FullyShardWrapper(TorchRecDataParallelWrapper):
         if "ignored_params" in fully_shard_kwargs:
             raise ValueError("FullyShardWrapper: ignored_params is set by the wrapper (every sharded table's)")
         self.mesh, self.kwargs = mesh, fully_shard_kwargs
-        self._recording = _record_when_registered(self)
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
         refuse_managed_collision(dmp.module)
-        reattach_annotations(dmp.module, _take_recorded(dmp))
+        carry_over(dmp.module)
         module = _private.wrapped_module(dmp)
         if isinstance(module, torch.distributed.fsdp.FSDPModule):
             return
         ignored = {p for m in module.modules() if isinstance(m, ShardedModule) for p in m.parameters()}
         overlap_optim.fully_shard(module, mesh=self.mesh, ignored_params=ignored, **self.kwargs)
-
-
-def _record_when_registered(wrapper: DataParallelWrapper):
-    """Record the annotated meta parameters of each model a DMP using ``wrapper`` takes in."""
-    owner = weakref.ref(wrapper)
-
-    def hook(parent: nn.Module, name: str, child: nn.Module) -> None:
-        if (
-            name == _private.WRAPPED
-            and isinstance(parent, DistributedModelParallel)
-            and _private.data_parallel_wrapper(parent) is owner()
-            and child is not None
-        ):
-            module_record(parent).meta_annotations = record_annotations(child, meta_only=True)
-
-    handle = nn.modules.module.register_module_module_registration_hook(hook)
-    weakref.finalize(wrapper, handle.remove)
-    return handle
-
-
-def _take_recorded(dmp: nn.Module) -> dict[str, Any]:
-    """The annotations of the meta parameters that DistributedModelParallel replaced, recorded on
-    it before its init, once."""
-    found = module_record(dmp)
-    recorded, found.meta_annotations = found.meta_annotations or {}, None
-    return recorded
