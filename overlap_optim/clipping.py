@@ -88,6 +88,8 @@ class GradientClipping:
         total_norm: after each backward, the global norm of the set's gradients, a 0-d
             float32 tensor, as ``clip_grad_norm_`` returns it (None with ``clip_value``, or
             before the first backward).
+        coefficient: after each backward, the 0-d float32 factor every gradient of the set was
+            multiplied by (clipping by norm).
         params: the set's parameters in this process (a sharded table's weight leaves it).
         tables: names of the sharded tables of the set.
     """
@@ -110,7 +112,7 @@ class GradientClipping:
         if max_norm is not None:  # by value, the round only clips the unannotated members: no slot, no collective
             self.round.register("norm", 1)
         self._held: list[tuple[list[torch.Tensor], Callable[[], None]]] = []
-        self._coefficient = torch.ones(())
+        self.coefficient = torch.ones(())
 
     # -- settings --
 
@@ -177,15 +179,15 @@ class GradientClipping:
         self.round.contribute("norm", self._partial(counted))
         self._held.append((grads, then))
 
-    def hold(self, partial: torch.Tensor, then: Callable[[torch.Tensor], None]) -> None:
+    def hold(self, partial: torch.Tensor, then: Callable[[], None]) -> None:
         """For a participant that holds no gradient tensor to scale (a fused table, whose
         gradient FBGEMM forms inside its update): add its own ``partial`` (``sum |g|^p``, or
         ``max |g|`` for inf, of this rank's gradient, one float64 element) to the norm, and
-        run ``then(coefficient)`` at the end of backward, where ``coefficient`` is the 0-d
+        run ``then()`` at the end of backward, which reads :attr:`coefficient`, the 0-d
         float32 factor every gradient of the set is multiplied by. Clipping by norm only."""
         assert self.by_norm, "hold() serves clipping by norm"
         self.round.contribute("norm", partial.reshape(1).to(torch.float64))
-        self._held.append(([], lambda: then(self._coefficient)))
+        self._held.append(([], then))
 
     def _counts_on_this_rank(self, replicated: bool) -> bool:
         """Whether this rank adds such gradients to the norm: a gradient every rank holds alike
@@ -244,7 +246,7 @@ class GradientClipping:
                 "so they cannot be clipped (error_if_nonfinite=True); no update of the set ran this step"
             )
         coefficient = torch.clamp(self._max_norm / (total_norm + 1e-6), max=1.0)
-        self._coefficient = coefficient
+        self.coefficient = coefficient
         for grads, then in held:
             if grads:
                 _private.foreach.mul_(grads, coefficient.to(grads[0].dtype))

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from overlap_optim.clipping import GradientClipping, clipping_of
+from overlap_optim.gradient_path import take
 from overlap_optim.round import EndOfBackwardRound, Phase
 from overlap_optim.accumulation import accumulating
 from overlap_optim.update import StepPlan
@@ -115,7 +116,9 @@ Reduction = Callable[[OptimizerHookState, dist.GradBucket], torch.futures.Future
 
 
 def optimizer_hook(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Reduce the bucket with this backward's reduction, then step the annotated parameters in it."""
+    """Reduce the bucket with this backward's reduction, then step the annotated parameters in it
+    (:func:`step_bucket`, by the gradient path). Inside ``no_step`` the window is asked here, before
+    the reduction: a held bucket reduces nothing."""
     if accumulating(*bucket.parameters()):
         return _keep_local(state, bucket)
     if state.local_sums:
@@ -230,11 +233,8 @@ def step_bucket(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.Ten
     plan = _plan(state, bucket)
     for param, grad in plan.kept:
         _keep_averaged(param, grad)
-    for clip, grads, steps in plan.sets:
-        if clip is None:
-            steps.step(grads)
-        else:  # every rank holds these averaged gradients alike
-            clip.clip(grads, functools.partial(steps.step, grads), replicated=True)
+    for clip, grads, steps in plan.sets:  # every rank holds these averaged gradients alike
+        take(functools.partial(steps.step, grads), grads, clip=clip, replicated=True)
     return bucket.buffer()
 
 

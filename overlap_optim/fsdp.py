@@ -27,6 +27,7 @@ untrained with no error; :func:`refuse_lost_annotations` (run by
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -43,7 +44,8 @@ from overlap_optim.annotation import (
 from overlap_optim.clipping import clipping_of
 from overlap_optim.cross_shard import CrossShardOptimizer, Geometry, cross_shard_class, sharded_state_layouts
 from overlap_optim.record import group_of, record
-from overlap_optim.round import EndOfBackwardRound
+from overlap_optim.gradient_path import take
+from overlap_optim.round import EndOfBackwardRound, Phase
 from overlap_optim.update import drop_placeholder_state, live_optimizer, set_state_maker, step_params
 from overlap_optim.virtual_groups import LocalState
 
@@ -132,18 +134,12 @@ class CrossShardStep:
         set_state_maker(param, lambda: self.shard._fresh_state(state))
 
     def __call__(self, param: torch.Tensor) -> None:
-        if accumulating(param):
-            return
-        drop_placeholder_state(param)  # an init_state placeholder that nothing was loaded over
         grad = param.grad.to_local()
-        clip = clipping_of(param)
-        if clip is None:
-            self._first_half(param, grad)
-            return
-        clip.arm()
-        clip.clip([grad], lambda: self._first_half(param, grad))
+        take(functools.partial(self._first_half, param, grad), [grad], clip=clipping_of(param),
+             held=accumulating(param))
 
     def _first_half(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        drop_placeholder_state(param)  # an init_state placeholder that nothing was loaded over
         self.shard.step(torch.arange(grad.shape[0], device=grad.device), grad)
         self.round.arm()
         param.grad = None
@@ -166,37 +162,41 @@ def _install_cross_shard(module: nn.Module, names: set[str]) -> None:
 
 class GroupStep:
     """The post-accumulate-grad hook of the annotated parameters of one FSDP group: FSDP2 calls
-    it for each of them, one after the other, right after the group's reduce-scatter; the last
-    call steps them all at once (:func:`overlap_optim.update.step_params`: one multi-tensor
-    update per virtual group). Those whose gradient came (a parameter unused in forward has
-    none) and have not stepped yet step when backward ends. Inside ``no_step``, nothing."""
+    it for each of them, one after the other, right after the group's reduce-scatter, and each
+    gradient takes the gradient path (:func:`~overlap_optim.gradient_path.take`). The unclipped
+    ones step together, at the last one's call (:func:`overlap_optim.update.step_params`: one
+    multi-tensor update per virtual group); if some gradient does not come (a parameter unused in
+    forward has none), those that came step when backward ends, in the SETTLE phase of the
+    group's round. A clipped one steps alone, once its set has clipped it. Inside ``no_step``,
+    nothing."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
-        self.params = len(params)
-        self.expected = self.params  # in this backward: less the clipped ones seen
+        self.unclipped = sum(clipping_of(p) is None for p in params)  # those that step together
         self.ready: list[torch.Tensor] = []
+        self.round = EndOfBackwardRound(phase=Phase.SETTLE, local=True, start=self._start)
 
     def __call__(self, param: torch.Tensor) -> None:
-        if accumulating(param):
-            return
         clip = clipping_of(param)
-        if clip is not None:  # it steps once its set has clipped it: alone, maybe at the end of backward
-            self.expected -= 1
-            clip.arm()
-            clip.clip([param.grad.to_local()], lambda: step_params([param]))
-        else:
-            if not self.ready:
-                _private.queue_end_of_backward(self.flush)
-            self.ready.append(param)
-        if self.ready and len(self.ready) == self.expected:
+        step = functools.partial(self._join if clip is None else _step_alone, param)
+        take(step, [param.grad.to_local()] if clip is not None else (), clip=clip, held=accumulating(param))
+
+    def _join(self, param: torch.Tensor) -> None:
+        self.round.arm()
+        self.ready.append(param)
+        if len(self.ready) >= self.unclipped:
             self.flush()
-        elif not self.ready and self.expected == 0:  # every parameter of the group is clipped
-            self.expected = self.params
+
+    def _start(self) -> None:
+        self.round.before(self.flush)
 
     def flush(self) -> None:
-        ready, self.ready, self.expected = self.ready, [], self.params
+        ready, self.ready = self.ready, []
         if ready:
             step_params(ready)
+
+
+def _step_alone(param: torch.Tensor) -> None:
+    step_params([param])
 
 
 def refuse_lost_annotations(model: nn.Module) -> None:

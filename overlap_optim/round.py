@@ -64,7 +64,7 @@ Finish = Callable[[torch.Tensor], None]
 class Phase(enum.IntEnum):
     """When a round runs among the rounds of one backward (lower first)."""
 
-    SETTLE = 0  # the DDP hook: wait for every bucket's reduction and update
+    SETTLE = 0  # the DDP hook waits for every bucket's reduction and update; an FSDP group steps the rest
     CLIP = 1  # gradient clipping: the global norm, then every clipped update
     STATISTICS = 2  # layer-wise tables split across ranks: whole-table statistics
 

@@ -1,8 +1,7 @@
 """Every way an annotated parameter is updated, in one place.
 
 - :func:`step_when_ready`: the hook that runs once a parameter's gradient is
-  fully accumulated: :func:`step_param` now, or, in a clipping set
-  (:mod:`overlap_optim.clipping`), once its gradient is clipped.
+  fully accumulated: the gradient path (window, clip) to :func:`step_param`.
 - :func:`step_param`: one parameter, its own ``torch.optim`` step with the
   group's current hyperparameters, then the gradient is released.
 - :func:`step_params`: many parameters at once, as planned by a :class:`StepPlan`
@@ -21,6 +20,7 @@ multi-tensor update (:mod:`overlap_optim.virtual_groups`); the rest step alone.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +29,7 @@ import torch
 from overlap_optim import _private
 from overlap_optim.accumulation import accumulating
 from overlap_optim.clipping import clipping_of
+from overlap_optim.gradient_path import take
 from overlap_optim.record import group_of, live_optimizers, record, record_of, set_live_optimizers
 from overlap_optim.spec import AnnotationGroup
 from overlap_optim.fused import applies as fused_applies
@@ -50,17 +51,9 @@ def set_state_maker(param: torch.Tensor, make: Callable[[], None]) -> None:
 
 
 def step_when_ready(param: torch.Tensor) -> None:
-    """The post-accumulate-grad hook of an annotated parameter outside DDP: step it now, or
-    once the set it is clipped with has clipped its gradient; inside ``no_step``, nothing (its
-    gradient accumulates)."""
-    if accumulating(param):
-        return
-    clip = clipping_of(param)
-    if clip is None:
-        step_param(param)
-        return
-    clip.arm()
-    clip.clip([param.grad], lambda: step_param(param))
+    """The post-accumulate-grad hook of an annotated parameter outside DDP: its gradient takes
+    the gradient path (:func:`~overlap_optim.gradient_path.take`) to :func:`step_param`."""
+    take(functools.partial(step_param, param), [param.grad], clip=clipping_of(param), held=accumulating(param))
 
 
 def step_params(params: list[torch.Tensor]) -> None:

@@ -17,6 +17,7 @@ gradients are clipped first: by value at once, by norm at the end of backward.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any
 
@@ -29,6 +30,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from overlap_optim.accumulation import module_accumulating
 from overlap_optim.clipping import GradientClipping
+from overlap_optim.gradient_path import take
 from overlap_optim.record import live_optimizers, set_live_optimizers
 from overlap_optim.table_optimizer import (
     DenseTableOptimizer, RowOptimizer, TableOptimizer, step_tables, step_touched, sum_rows,
@@ -249,18 +251,24 @@ class RowUpdates:
             self.pooling_mode, self.layout.feature_table_map, dims, grad_out, indices, offsets, weights, batches
         )
         touched = self._row_grads(features, indices, grad_out)
-        accumulating = self.owner is not None and module_accumulating(self.owner)
-        if accumulating or self.clipping is not None:
-            by_table = {table: sum_rows(ids, grads) for table, ids, grads in touched}
-            sums_in_order = [by_table[t] for t in range(len(self.row_optimizers))]
-            if accumulating:
-                self.window = [sums_in_order]  # the window so far, summed: it holds each touched row once
-                return
-            self.window = []
-            updates = [(rows, *pair) for rows, pair in zip(self.row_optimizers, sums_in_order)]
-            # each shard's rows are its own: no rank holds them alike
-            self.clipping.clip([u[2] for u in updates], lambda: step_tables(updates))
+        held = self.owner is not None and module_accumulating(self.owner)
+        if not held and self.clipping is None:
+            take(functools.partial(self._step_as_read, touched), clip=None)
             return
+        by_table = {table: sum_rows(ids, grads) for table, ids, grads in touched}
+        sums = [by_table[t] for t in range(len(self.row_optimizers))]
+        updates = [(rows, *pair) for rows, pair in zip(self.row_optimizers, sums)]
+        # each shard's rows are its own: no rank holds them alike
+        take(functools.partial(step_tables, updates), [u[2] for u in updates], clip=self.clipping, held=held,
+             keep=functools.partial(self._keep, sums))
+        if not held:
+            self.window = []
+
+    def _keep(self, sums: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.window = [sums]  # the window so far, summed: it holds each touched row once
+
+    def _step_as_read(self, touched: Iterator[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """Step the tables as their gradients are read, a few at a time."""
         chunk, size = [], 0
         for table, ids, grads in touched:
             chunk.append((self.row_optimizers[table], ids, grads))

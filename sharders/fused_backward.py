@@ -28,6 +28,7 @@ backward, and are refused with clipping or accumulation, naming the tables.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,7 @@ from torch import nn
 
 from overlap_optim.accumulation import module_accumulating
 from overlap_optim.clipping import GradientClipping
+from overlap_optim.gradient_path import take
 from overlap_optim.record import module_record, module_record_of
 from sharders.fused_clipping import row_partial_norm
 from sharders.pooling import Lookup, concatenate_lookups
@@ -96,23 +98,23 @@ class HeldBackward:
         return _Held.apply(output.detach(), self._anchor, [self, output, lookup])
 
     def backward(self, output: torch.Tensor, lookup: Lookup, grad: torch.Tensor) -> None:
-        """From backward, with the lookup's output gradient: update now, hold it for the norm,
-        or keep it for the window's last micro-batch."""
-        if module_accumulating(self.owner):
-            self.pending.append((lookup, grad))
-            return
+        """From backward, with the lookup's output gradient: by the gradient path
+        (:func:`~overlap_optim.gradient_path.take`), update now, hold it for the norm, or keep it
+        for the window's last micro-batch."""
+        held = module_accumulating(self.owner)
         replay = None
-        if self.pending:
+        if self.pending and not held:  # the window's last micro-batch: one lookup over the window
             window, self.pending = [*self.pending, (lookup, grad)], []
             lookup, grad = concatenate_lookups(window, len(self.emb.feature_table_map), self.emb.pooling_mode)
             replay = lookup
-        if self.clip is None:
-            self._update(output, replay, grad)
-            return
-        partial = row_partial_norm(self.emb, grad, *lookup, self.clip.norm_type)
-        self.clip.hold(partial, lambda c: self._update(output, replay, grad * c.to(grad.device, grad.dtype)))
+        norm = None if self.clip is None else functools.partial(
+            row_partial_norm, self.emb, grad, *lookup, self.clip.norm_type)
+        take(functools.partial(self._update, output, replay, grad), clip=self.clip, held=held,
+             keep=functools.partial(self.pending.append, (lookup, grad)), norm=norm)
 
     def _update(self, output: torch.Tensor, replay: Lookup | None, grad: torch.Tensor) -> None:
+        if self.clip is not None:
+            grad = grad * self.clip.coefficient.to(grad.device, grad.dtype)
         if replay is not None:  # a window: one lookup over its micro-batches, at the weights they saw
             indices, offsets, weights = replay
             with torch.enable_grad():
