@@ -37,7 +37,6 @@ Example:
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Iterable
 
@@ -94,14 +93,11 @@ class GradientClipping:
         tables: names of the sharded tables of the set.
     """
 
-    _made = itertools.count()
-
     def __init__(
         self, max_norm: float | None, norm_type: float, clip_value: float | None, error_if_nonfinite: bool
     ) -> None:
         self._max_norm, self._clip_value = max_norm, clip_value
         self.norm_type, self.error_if_nonfinite = norm_type, error_if_nonfinite
-        self.order = next(GradientClipping._made)  # the same on every rank
         self.total_norm: torch.Tensor | None = None
         self.params: list[torch.Tensor] = []
         self.tables: list[str] = []

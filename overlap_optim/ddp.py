@@ -91,7 +91,7 @@ def _clips_of(params: list[torch.Tensor], local: bool) -> list[GradientClipping]
     if local:
         for clip in clips.values():
             clip.make_local(params)
-    return sorted(clips.values(), key=lambda c: c.order)
+    return list(clips.values())  # in DDP's parameter order: the same on every rank
 
 
 def _attach_local_sgd(sync: QSR, ddp_model: DistributedDataParallel, comm: str, annotated: list) -> None:

@@ -333,8 +333,8 @@ def _build(context: BuildContext) -> None:
     for cls, tables in sorted(by_kind.items(), key=lambda item: item[0].install_order):
         cls.install(tables, context)
     arms = [context.round.arm] if context.round.slots else []
-    clips = {t.clip.order: t.clip for t in context.tables.values() if t.clip is not None and t.clip.by_norm}
-    arms += [clip.arm for _, clip in sorted(clips.items())]  # the same on every rank
+    clips = {id(t.clip): t.clip for t in context.tables.values() if t.clip is not None and t.clip.by_norm}
+    arms += [clip.arm for clip in clips.values()]  # in the tables' order: the same on every rank
     if arms:  # after install: the lookups are final (a frozen kind wraps its data-parallel one again)
         _arm_from(_private.lookups(context.sharded), [_unless(context.sharded, arm) for arm in arms])
 

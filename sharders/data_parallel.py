@@ -69,11 +69,10 @@ class DataParallelTable(TableKernel):
                     clip = context.tables[table].clip
                     join_clipping(weight, clip)
                     if clip is not None:
-                        clips[clip.order] = clip
+                        clips.setdefault(id(clip), clip)  # in the tables' order: the same on every rank
                     targets.setdefault(id(flat), []).append((weight, view))
             if targets:
-                clipped = [clip for _, clip in sorted(clips.items())]
-                state = OptimizerHookState(context.process_group, targets, managed, clips=clipped)
+                state = OptimizerHookState(context.process_group, targets, managed, clips=list(clips.values()))
                 install_optimizer_hook(lookup, state)
 
     def held_state(self, metadata: Any, weight: torch.Tensor | None) -> dict[str, Any]:

@@ -63,7 +63,7 @@ class FallbackTable(TableKernel):
 
     def batch_key(self) -> Hashable:
         # One kernel's tables step together: they share a clipping set (or none).
-        return ("fallback", self.group.spec.share_key, None if self.clip is None else self.clip.order)
+        return ("fallback", self.group.spec.share_key, id(self.clip))
 
     def make_optimizer(self, weight: torch.Tensor, config: Any, context: BuildContext) -> TableOptimizer:
         """The optimizer of this rank's shard ``weight`` (TorchRec's table ``config`` places it)."""

@@ -171,7 +171,7 @@ class FusedTable(TableKernel):
     def batch_key(self) -> Hashable:
         # A fused TBE has one learning rate: one kernel per annotation group (its LR schedule),
         # and one clipping set.
-        return (self.kind, id(self.group), None if self.clip is None else self.clip.order)
+        return (self.kind, id(self.group), id(self.clip))
 
     def fbgemm_kwargs(self) -> dict[str, Any]:
         return dict(self.decision.choice.fbgemm_kwargs)
