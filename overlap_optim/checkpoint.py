@@ -182,11 +182,15 @@ def latest(path: str | os.PathLike) -> Path | None:
     return complete[max(complete)] if complete else None
 
 
-def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra: dict[str, Any] | None = None,
+         *, cast: bool = False) -> dict[str, Any]:
     """Load the latest complete checkpoint under ``path`` (or ``path`` itself, if it is one).
 
     ``optimizer`` may be fresh: its lazy state is created first (``init_state``).
     Objects in ``extra`` with ``load_state_dict`` (an LR scheduler) are restored in place.
+
+    A weight saved in another dtype than the model holds (an FP32 table loaded into an FP16 one, or
+    the other way) is refused, unless ``cast=True``: then it is cast once, rounded to nearest even.
 
     Returns:
         The saved extras, by name (``"step"`` included).
@@ -196,9 +200,10 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra:
             (both listed); a shape that differs; another optimizer's state;
             a truncated or corrupt file; a checkpoint of another model; a
             checkpoint taken between two local-SGD averagings, loaded on another
-            world size. Nothing is changed.
+            world size; a weight of another dtype, without ``cast``. Nothing is changed.
     """
     directory = _resolve(Path(path))
+    _check_dtypes(directory, _model_state(model), cast)
     saved_extra = _read_extras(directory)
     init_state = getattr(optimizer, "init_state", None)
     if callable(init_state):  # DCP loads in place: lazy state must exist first
@@ -269,6 +274,28 @@ def _check_against_metadata(directory: Path, wanted: dict[str, Any]) -> set[str]
         if tuple(saved[key]) != shape:
             raise CheckpointError(f"shape mismatch for {key}: checkpoint {tuple(saved[key])}, model {shape}")
     return set(metadata)
+
+
+def _check_dtypes(directory: Path, model_state: dict[str, Any], cast: bool) -> None:
+    """Refuse model tensors saved in another dtype than the model holds, unless ``cast``."""
+    if cast:
+        return
+    try:
+        metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    except _READ_ERRORS:
+        return  # reported, with its cause, where the checkpoint is read
+    differ = []
+    for key, value in model_state.items():
+        saved = metadata.get(f"model.{key}")
+        ours = value.metadata().tensor_properties.dtype if isinstance(value, ShardedTensor) else getattr(
+            value, "dtype", None)
+        if isinstance(saved, TensorStorageMetadata) and ours is not None and saved.properties.dtype != ours:
+            differ.append(f"{key}: saved {saved.properties.dtype}, the model holds {ours}")
+    if differ:
+        raise CheckpointError(
+            f"checkpoint {directory.name} holds weights in another dtype than the model: {differ}; pass "
+            "cast=True to cast them once (to nearest even), or build the tables with the dtype they were saved in"
+        )
 
 
 def _flat_tensors(tree: Any, prefix: str = "") -> dict[str, tuple[int, ...]]:

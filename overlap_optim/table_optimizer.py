@@ -23,7 +23,9 @@ from overlap_optim.spec import AnnotationGroup
 from overlap_optim.update import versions
 from overlap_optim.virtual_groups import VirtualKey, multi_tensor_step, virtual_key
 
-__all__ = ["TableOptimizer", "RowOptimizer", "DenseTableOptimizer", "step_tables", "step_touched", "sum_rows"]
+__all__ = [
+    "TableOptimizer", "RowOptimizer", "DenseTableOptimizer", "step_tables", "step_touched", "sum_rows", "math_dtype",
+]
 
 
 # -- touched rows: The real torch.optim update, applied to the rows of a table that a batch touched.
@@ -171,6 +173,10 @@ class RowOptimizer(TableOptimizer):
     :attr:`one_pass`) where the extension is built; every other table, and every table
     without it, gathers the rows, runs ``torch.optim``'s step on them and scatters them back.
 
+    A table stored in FP16 or BF16 steps in float32, as ``torch.optim`` on a float32 copy of
+    the rows as stored: the rows are read in float32, the gradient stays float32, the state is
+    float32, and the updated rows are rounded once (to nearest even) when written back.
+
     Example:
         >>> rows = RowOptimizer(table_weight, table_weight_annotation_group, "t0")
         >>> rows.step(torch.tensor([3, 7]), row_grads)  # row_grads: (2, dim)
@@ -181,8 +187,9 @@ class RowOptimizer(TableOptimizer):
     def __init__(self, weight: torch.Tensor, group: AnnotationGroup, name: str = "?") -> None:
         assert group.spec.row_separable, f"{group.spec.name} is not row-separable"
         super().__init__(weight, group, name)
+        self.math_dtype = math_dtype(weight.dtype)
         # A reusable optimizer whose param and state are swapped in at each step.
-        self._placeholder = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        self._placeholder = torch.zeros(1, weight.shape[1], dtype=self.math_dtype, device=weight.device)
         self._optimizer = group.spec.make([self._placeholder])
         self._rows: dict[str, torch.Tensor] = {}
         self._table: dict[str, Any] = {}
@@ -227,7 +234,8 @@ class RowOptimizer(TableOptimizer):
         assert ids.dim() == 1 and grads.shape == (ids.numel(), self.weight.shape[1])
         self.group.spec.check_live(self.param_group, f"table {self.name!r}")
         self.drop_placeholder_state()
-        return self.weight.index_select(0, ids), grads.to(self.weight.dtype), self.state_for_rows(ids)
+        rows = self.weight.index_select(0, ids).to(self.math_dtype)
+        return rows, grads.to(self.math_dtype), self.state_for_rows(ids)
 
     @torch.no_grad()
     def finish(self, ids: torch.Tensor, rows: torch.Tensor, stepped: dict[str, Any]) -> None:
@@ -235,7 +243,7 @@ class RowOptimizer(TableOptimizer):
         self._check_layout(stepped)
         if not self._rows and not self._table:
             self._allocate()
-        self.weight.index_copy_(0, ids, rows)
+        self.weight.index_copy_(0, ids, rows.to(self.weight.dtype))  # low precision: the one rounding
         for key, value in stepped.items():
             if key in self._row_keys:
                 self._rows[key].index_copy_(0, ids, value)
@@ -261,7 +269,7 @@ class RowOptimizer(TableOptimizer):
     def _make_placeholder(self) -> None:
         """A step on no rows: the state exists, no weight changes."""
         empty = torch.empty(0, dtype=torch.long, device=self.weight.device)
-        self.step(empty, self.weight.new_zeros(0, self.weight.shape[1]))
+        self.step(empty, self.weight.new_zeros(0, self.weight.shape[1], dtype=self.math_dtype))
 
     def _clear_state(self) -> None:
         self._rows, self._table = {}, {}
@@ -287,7 +295,7 @@ class RowOptimizer(TableOptimizer):
         for key in self._row_keys:
             entry = self.group.spec.state[key]
             shape = (rows, *(dim if size == -1 else size for size in entry.tail))
-            self._rows[key] = torch.full(shape, entry.fresh, dtype=self.weight.dtype, device=self.weight.device)
+            self._rows[key] = torch.full(shape, entry.fresh, dtype=self.math_dtype, device=self.weight.device)
 
 
 class DenseTableOptimizer(TableOptimizer):
@@ -348,6 +356,12 @@ class DenseTableOptimizer(TableOptimizer):
 
     def _set_state(self, state: dict[str, Any]) -> None:
         self._optimizer.state[self.weight] = state
+
+
+def math_dtype(stored: torch.dtype) -> torch.dtype:
+    """The dtype a table's update computes in, and its state's: float32 for a table stored in
+    FP16 or BF16, the table's own dtype otherwise."""
+    return torch.float32 if stored in (torch.float16, torch.bfloat16) else stored
 
 
 def step_tables(updates: list[tuple[TableOptimizer, torch.Tensor, torch.Tensor]]) -> None:

@@ -48,6 +48,8 @@ class DataParallelTable(TableKernel):
     compute_kernel = None  # the plan's own
     plan_kernels = frozenset({"dense"})
     sharded_state = False  # the weight carries its annotation: get_optimizers finds it as a parameter
+    float32_only = ("autograd gives an FP16/BF16 weight a gradient in that dtype, which DDP would reduce and "
+                    "torch.optim step in it, where the reference steps on the float32 gradient")
 
     @classmethod
     def install(cls, tables: list[TableKernel], context: BuildContext) -> None:

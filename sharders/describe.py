@@ -6,6 +6,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchrec.modules.embedding_configs import data_type_to_dtype
+
 from overlap_optim.keyed import unwrapped_path
 from sharders._private import kernels_of
 from sharders.kernels import TableKernel
@@ -14,7 +16,8 @@ from sharders.plan import plan_of
 __all__ = ["describe", "kernel_rows"]
 
 _HEADER = ("rank", "module", "kernel", "sharding type", "tables", "optimizer", "runs as", "semantics", "why not fused",
-           "memory: held / planned")
+           "dtype: weights / state", "memory: held / planned")
+_DTYPES = {torch.float32: "FP32", torch.float16: "FP16", torch.bfloat16: "BF16", torch.float64: "FP64"}
 
 
 def kernel_rows(model: nn.Module) -> list[tuple[str, ...]]:
@@ -37,9 +40,27 @@ def kernel_rows(model: nn.Module) -> list[tuple[str, ...]]:
                 _per_table(tables, lambda t: t.runs_as()),
                 _per_table(tables, lambda t: t.semantics),
                 _per_table(tables, lambda t: t.why_not_fused()),
+                _dtypes(module, plan, kernel),
                 _memory(module, plan, kernel),
             ))
     return rows
+
+
+def _dtypes(module: nn.Module, plan, kernel: nn.Module) -> str:
+    """The kernel's weight dtype, and its optimizer state's (``-``: none held yet)."""
+    weights = _DTYPES.get(_weight_dtype(kernel), str(_weight_dtype(kernel)))
+    state = {
+        _DTYPES.get(v.dtype, str(v.dtype))
+        for config in kernel.config.embedding_tables
+        for v in _state_of(module, plan, plan.tables[config.name], config).values()
+        if torch.is_tensor(v) and v.dim() > 0
+    }
+    return f"{weights} / {', '.join(sorted(state)) or '-'}"
+
+
+def _weight_dtype(kernel: nn.Module) -> torch.dtype:
+    """The dtype a kernel stores its tables in (TorchRec's ``data_type`` of its first table)."""
+    return data_type_to_dtype(kernel.config.embedding_tables[0].data_type)
 
 
 def _memory(module: nn.Module, plan, kernel: nn.Module) -> str:
@@ -50,7 +71,7 @@ def _memory(module: nn.Module, plan, kernel: nn.Module) -> str:
     for config in kernel.config.embedding_tables:
         table = plan.tables[config.name]
         shape = tuple(config.local_metadata.shard_sizes) if config.local_metadata is not None else table.decision.shape
-        weights = shape[0] * shape[1] * 4  # float32 tables
+        weights = shape[0] * shape[1] * torch.empty(0, dtype=_weight_dtype(kernel)).element_size()
         planned += weights + table.state_bytes(shape)
         held += weights + sum(_bytes(v) for v in _state_of(module, plan, table, config).values())
     return f"{_human(held)} / {_human(planned)}"
@@ -94,7 +115,8 @@ def describe(model: nn.Module) -> str:
     optimizer and settings (each table's, where the tables of a fallback kernel
     differ in float settings: one virtual group), fused or fallback, its semantics ("lazy": only the
     rows a batch touched change; "dense": every row steps, untouched ones on a
-    zero gradient; "frozen": never updated), for a fallback which setting prevented fusion, and the bytes of
+    zero gradient; "frozen": never updated), for a fallback which setting prevented fusion, the dtype of
+    the weights and of the optimizer state, and the bytes of
     weights and optimizer state the rank holds for the kernel, beside what :mod:`sharders.planner` plans
     for them. A kernel that holds several shards of one table (column shards, say) names it once, with the count.
 

@@ -37,7 +37,9 @@ from overlap_optim.table_optimizer import (
 )
 from sharders import _private
 from sharders.kernels import BuildContext, KernelKind, LocalShard, TableKernel
-from sharders.pooling import is_pooled, unpooled_lookup, value_grads, variable_batch_lookup
+from sharders.pooling import (
+    LOW_PRECISION, is_pooled, pooled_lookup, unpooled_lookup, value_grads, variable_batch_lookup,
+)
 
 __all__ = [
     "RowUpdates", "FallbackEmbeddingBag", "FallbackEmbedding", "FallbackOptimizer", "FallbackTable", "LazyTable",
@@ -114,6 +116,8 @@ class LazyTable(FallbackTable):
 
     kind = KernelKind.LAZY
     semantics = "lazy"
+    # Rows read in float32, stepped in float32 with float32 state, rounded once when written back.
+    precisions = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
     def make_optimizer(self, weight: torch.Tensor, config: Any, context: BuildContext) -> TableOptimizer:
         return RowOptimizer(weight, self.group, self.table)
@@ -130,6 +134,7 @@ class DenseTable(FallbackTable):
 
     kind = KernelKind.DENSE
     semantics = "dense"
+    float32_only = "its whole-shard step has no FP16/BF16 form yet (a float32 copy of the shard each step)"
 
     def make_optimizer(self, weight: torch.Tensor, config: Any, context: BuildContext) -> TableOptimizer:
         return DenseTableOptimizer(weight, self.group, self.table)
@@ -229,6 +234,9 @@ class RowUpdates:
             return variable_batch_lookup(emb.split_embedding_weights(), self.layout.feature_table_map, indices,
                                          offsets, weights, batches, self.pooling_mode)
         if is_pooled(self.pooling_mode):
+            if emb.weights.dtype in LOW_PRECISION:  # FBGEMM's CPU TBE has no BF16 lookup; rows read in float32
+                return pooled_lookup(emb.split_embedding_weights(), self.layout.feature_table_map, indices, offsets,
+                                     weights, self.pooling_mode)
             return emb(indices=indices, offsets=offsets, per_sample_weights=weights)
         return unpooled_lookup(emb.split_embedding_weights(), self.layout.feature_table_map, indices, offsets)
 

@@ -197,6 +197,9 @@ class TableKernel:
     # The compute-kernel names a plan may give it ("fused" is how TorchRec's planner names every
     # model-parallel kernel: its plan validation allows "dense" on data_parallel only).
     plan_kernels: ClassVar[frozenset[str]] = frozenset({"dense", "fused"})
+    # The weight dtypes it runs exactly; for any other, why not (the refusal names the table and this).
+    precisions: ClassVar[frozenset[torch.dtype]] = frozenset({torch.float32})
+    float32_only: ClassVar[str] = "its FP16 and BF16 forms are not built yet"
 
     def __init__(self, decision: TableDecision) -> None:
         self.decision = decision

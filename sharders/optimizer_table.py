@@ -103,7 +103,8 @@ def decide(
         ValueError: the table is split along an axis its optimizer is not separable by and
             has no cross-shard form; its optimizer needs a closure; the plan names a compute
             kernel we do not run (:data:`RUNNABLE_KERNELS`).
-        NotImplementedError: a weight that is not float32.
+        NotImplementedError: a weight that is not FP32, FP16 or BF16, or a low-precision weight that its
+            kind cannot run exactly (:attr:`~sharders.kernels.TableKernel.precisions`).
         NotImplementedError: a table with no annotation is in a gradient clipping set.
     """
     _check_runnable(table, weight, compute_kernel, device_type)
@@ -118,13 +119,32 @@ def decide(
         choice = _choice(table, group, compute_kernel, device_type, pinned, dense, clip, variable_batch)
         if choice.fused and device_type == "cpu" and any(0 in size for size in shard_sizes):
             choice = KernelChoice(False, reason="a shard with no rows: FBGEMM's CPU kernel cannot hold an empty table")
+        if choice.fused and weight.dtype != torch.float32:
+            choice = KernelChoice(False, reason=f"{_DTYPE_NAMES.get(weight.dtype, weight.dtype)} weights: "
+                                  f"{_NOT_FUSED_LOW_PRECISION}; the fallback rounds once")
         cross_shard = _check_separable(table, group, sharding_type, shard_offsets)
         if cross_shard and choice.fused:  # FBGEMM would step each shard on its own statistics
             choice = KernelChoice(False, reason=f"{sharding_type}: FBGEMM would keep a statistic per shard, where "
                                                 "the whole table has one; the fallback carries it across shards")
     facts = TableFacts(table, sharding_type, None if group is None else group.spec, choice, frozen=frozen,
                        cross_shard=cross_shard, dense_requested=table in dense)
-    return TableDecision(table, sharding_type, shape, group, choice, kind_of(facts).kind, device_type, clip)
+    kind = kind_of(facts)
+    if weight.dtype not in kind.precisions:
+        raise NotImplementedError(
+            f"table {table!r} holds its weights in {_DTYPE_NAMES.get(weight.dtype, weight.dtype)} and runs as "
+            f"{kind.kind.value if hasattr(kind.kind, 'value') else kind.kind} ({sharding_type}), which is exact in "
+            f"float32 only: {kind.float32_only}. Low-precision tables run in the fallback on touched rows "
+            "(a model-parallel sharding type, a row-separable optimizer, not in dense_tables); or build the table "
+            "with data_type=DataType.FP32"
+        )
+    return TableDecision(table, sharding_type, shape, group, choice, kind.kind, device_type, clip)
+
+
+_DTYPE_NAMES = {torch.float32: "FP32", torch.float16: "FP16", torch.bfloat16: "BF16"}
+# Why a low-precision table never fuses (FBGEMM_NOTES.md, fbgemm-gpu-cpu 1.8.0).
+_NOT_FUSED_LOW_PRECISION = (
+    "FBGEMM's CPU TBE rounds the update to FP16 before adding it (two roundings a step) and has no BF16 kernels"
+)
 
 
 # The compute kernels a plan may name, per device type: "fused" is TorchRec's planner's name for
@@ -137,18 +157,17 @@ RUNNABLE_KERNELS = {
 
 
 def _check_runnable(table: str, weight: torch.Tensor, compute_kernel: str, device_type: str) -> None:
-    """Refuse, by table, a plan's compute kernel that we do not run, and a weight that is not float32."""
+    """Refuse, by table, a plan's compute kernel that we do not run, and a weight that is not FP32, FP16 or BF16."""
     runnable = RUNNABLE_KERNELS.get(device_type, RUNNABLE_KERNELS["cpu"])
     if compute_kernel not in runnable:
         raise ValueError(
             f"table {table!r}: the plan gives it compute kernel {compute_kernel!r}, which overlap-optim does not run "
             f"on {device_type}; a plan may give {sorted(runnable)} (\"dense\" pins the table to the fallback)"
         )
-    if weight.dtype != torch.float32:
+    if weight.dtype not in _DTYPE_NAMES:
         raise NotImplementedError(
-            f"table {table!r} holds its weights in {weight.dtype}: low-precision tables are not exact yet (FBGEMM "
-            "rounds each update twice, the fallback keeps its state in that dtype), so only float32 tables are "
-            "sharded; build the table with data_type=DataType.FP32"
+            f"table {table!r} holds its weights in {weight.dtype}: tables are FP32, FP16 or BF16; build the "
+            "table with data_type=DataType.FP32"
         )
 
 

@@ -26,7 +26,8 @@ import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 
 __all__ = [
-    "is_pooled", "feature_spans", "table_views", "unpooled_lookup", "value_grads", "variable_batch_lookup",
+    "is_pooled", "feature_spans", "table_views", "unpooled_lookup", "pooled_lookup", "read_rows", "LOW_PRECISION",
+    "value_grads", "variable_batch_lookup",
     "variable_batch_grads",
     "concatenate_lookups", "Lookup",
 ]
@@ -58,11 +59,11 @@ def unpooled_lookup(
     tables: list[torch.Tensor], feature_table_map: list[int], indices: torch.Tensor, offsets: torch.Tensor
 ) -> torch.Tensor:
     """``[ids, dim]``: the row of every id, in order, from ``tables`` (each table's ``(rows, dim)``
-    weight). Differentiable in ``tables``."""
+    weight), read by :func:`read_rows`. Differentiable in ``tables``."""
     spans = feature_spans(offsets, len(feature_table_map))
-    parts = [tables[t].index_select(0, indices[s:e].long()) for t, (s, e) in zip(feature_table_map, spans)]
+    parts = [read_rows(tables[t], indices[s:e]) for t, (s, e) in zip(feature_table_map, spans)]
     if not parts:
-        return tables[0].new_zeros(0, tables[0].shape[1]) if tables else torch.zeros(0, 0)
+        return tables[0].new_zeros(0, tables[0].shape[1]).float() if tables else torch.zeros(0, 0)
     return torch.cat(parts)
 
 
@@ -116,13 +117,51 @@ def variable_batch_lookup(
     feature's bags from that rank), from ``tables`` (each table's ``(rows, dim)`` weight).
     FBGEMM's dense TBE on CPU ignores ``batch_size_per_feature_per_rank`` (it returns
     ``[bags / features, sum of dims]``), so the fallback pools each feature itself."""
+    pooled = _pool_features(tables, feature_table_map, indices, offsets, weights, [sum(b) for b in batches],
+                            pooling_mode)
+    parts, row = [], [0] * len(pooled)
+    for rank in range(len(batches[0]) if batches else 0):
+        for f, per_rank in enumerate(batches):
+            parts.append(pooled[f][row[f] : row[f] + per_rank[rank]].reshape(-1))
+            row[f] += per_rank[rank]
+    return torch.cat(parts) if parts else indices.new_zeros(0, dtype=torch.float32)
+
+
+def pooled_lookup(
+    tables: list[torch.Tensor], feature_table_map: list[int], indices: torch.Tensor, offsets: torch.Tensor,
+    weights: torch.Tensor | None, pooling_mode: PoolingMode,
+) -> torch.Tensor:
+    """``[batch, sum of dims]``: a pooled lookup as FBGEMM's TBE gives it, in plain torch, each
+    row read in float32 (:func:`read_rows`): the lookup of tables whose weights FBGEMM's CPU kernels
+    cannot read (BF16), or would pool otherwise than the float32 reference."""
+    features = len(feature_table_map)
+    batch = (offsets.numel() - 1) // features if features else 0
+    pooled = _pool_features(tables, feature_table_map, indices, offsets, weights, [batch] * features, pooling_mode)
+    return torch.cat(pooled, dim=1) if pooled else indices.new_zeros(batch, 0, dtype=torch.float32)
+
+
+def read_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of ``table``, in float32 when the table holds a lower precision (FP16, BF16):
+    every lookup and every update of a low-precision table computes in float32 on the rows as
+    stored, and rounds once, when an update writes them back."""
+    rows = table.index_select(0, ids.long())
+    return rows.float() if rows.dtype in LOW_PRECISION else rows
+
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _pool_features(
+    tables: list[torch.Tensor], feature_table_map: list[int], indices: torch.Tensor, offsets: torch.Tensor,
+    weights: torch.Tensor | None, bags_per_feature: list[int], pooling_mode: PoolingMode,
+) -> list[torch.Tensor]:
+    """Each feature's ``[bags, dim]`` pooled rows (its bags follow the previous feature's)."""
     lengths = offsets[1:] - offsets[:-1]
     bag_of_value = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)
     pooled, first_bag = [], 0
-    for f, table in enumerate(feature_table_map):
-        bags = sum(batches[f])
+    for table, bags in zip(feature_table_map, bags_per_feature):
         start, end = int(offsets[first_bag]), int(offsets[first_bag + bags])
-        rows = tables[table].index_select(0, indices[start:end].long())
+        rows = read_rows(tables[table], indices[start:end])
         if weights is not None:
             rows = rows * weights[start:end, None]
         sums = rows.new_zeros(bags, rows.shape[1]).index_add_(0, bag_of_value[start:end] - first_bag, rows)
@@ -130,12 +169,7 @@ def variable_batch_lookup(
             sums /= lengths[first_bag : first_bag + bags].clamp(min=1)[:, None]
         pooled.append(sums)
         first_bag += bags
-    parts, row = [], [0] * len(pooled)
-    for rank in range(len(batches[0]) if batches else 0):
-        for f, per_rank in enumerate(batches):
-            parts.append(pooled[f][row[f] : row[f] + per_rank[rank]].reshape(-1))
-            row[f] += per_rank[rank]
-    return torch.cat(parts) if parts else indices.new_zeros(0, dtype=torch.float32)
+    return pooled
 
 
 def variable_batch_grads(grad_out: torch.Tensor, batches: list[list[int]], dims: list[int]) -> list[torch.Tensor]:

@@ -69,12 +69,15 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "low_precision_table",
-        "a table whose weights are not float32 (EmbeddingBagConfig(data_type=DataType.FP16), BF16...)",
+        "an FP16 or BF16 table (EmbeddingBagConfig(data_type=DataType.FP16)) that does not run in the fallback "
+        "on touched rows: data_parallel, frozen or stepped by the user's optimizer, in dense_tables, a layer-wise "
+        "optimizer, or RowWiseAdagrad on column shards",
         "shard",
-        "FBGEMM rounds each fp16 update twice, the fallback keeps its state in fp16, and FBGEMM's CPU kernels "
-        "have no BF16 lookup: not exact yet",
-        "float32 tables",
-        r"low-precision tables are not exact yet",
+        "the exact reference (torch.optim in float32 on the stored weights, rounded once) is built for the "
+        "lazy fallback only; data_parallel would reduce and step a gradient in the stored dtype",
+        "the fallback on a model-parallel sharding type (FP16 and BF16 never fuse: FBGEMM's CPU TBE rounds "
+        "twice and has no BF16 kernels), or a float32 table",
+        r"holds its weights in (FP16|BF16) and runs as",
     ),
     Refusal(
         "not_separable",

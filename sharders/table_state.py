@@ -33,6 +33,7 @@ import torch.distributed as dist
 from overlap_optim import _private
 from overlap_optim._state_schema import stock_hint
 from overlap_optim.spec import AnnotationGroup
+from overlap_optim.table_optimizer import math_dtype
 from sharders.kernels import LAYOUTS, LocalShard, TableKernel
 
 __all__ = ["ShardedTables"]
@@ -213,7 +214,7 @@ class ShardedTables:
         metadata = _private.ShardedTensorMetadata(
             shards_metadata=[self._state_metadata(table, name, s) for s in table.shards],
             size=torch.Size(self._global_shape(table, name)),
-            tensor_properties=_private.TensorProperties(dtype=table.dtype),
+            tensor_properties=_private.TensorProperties(dtype=math_dtype(table.dtype)),  # FP16 tables: float32 state
         )
         local = [
             _private.Shard(piece.state.row_state[name], self._state_metadata(table, name, piece.metadata))

@@ -27,6 +27,7 @@ import copy
 import dataclasses
 import hashlib
 import io
+import math
 import os
 import tempfile
 import zlib
@@ -45,6 +46,10 @@ DIM = 8  # two column shards of 4 (min_partition) on column splits
 BATCH = 4  # samples per rank and micro-batch
 BINDING = 0.3  # a clipping bound, as a fraction of the first step's norm (or largest element)
 TOL = 1e-5
+# A table's data_type and the dtype it stores: the reference keeps a low-precision table as float32 values
+# that the stored dtype holds exactly, and rounds it to them after every step (the stated reference).
+PRECISIONS = {"fp32": (DataType.FP32, torch.float32), "fp16": (DataType.FP16, torch.float16),
+              "bf16": (DataType.BF16, torch.bfloat16)}
 
 
 # name -> (import path of the class, kwargs, layer-wise, lazy reference: the class torch offers for
@@ -80,7 +85,7 @@ class Table:
     dense: bool = False  # named in the sharder's dense_tables
     mean: bool = False  # MEAN pooling (EBC)
     shared: bool = False  # looked up by two features
-    fp16: bool = False  # EmbeddingBagConfig(data_type=DataType.FP16)
+    precision: str = "fp32"  # a key of PRECISIONS: the table's data_type
     kernel: str | None = None  # a hand-made plan's compute kernel for it (None: the planner's)
 
     @property
@@ -170,14 +175,14 @@ class Model(nn.Module):
             if collection == "ec":
                 module = EmbeddingCollection(tables=[
                     EmbeddingConfig(name=t.name, embedding_dim=DIM, num_embeddings=t.rows, feature_names=t.features,
-                                    data_type=DataType.FP16 if t.fp16 else DataType.FP32)
+                                    data_type=PRECISIONS[t.precision][0])
                     for t in mine
                 ], device=torch.device(device))
             else:
                 module = EmbeddingBagCollection(tables=[
                     EmbeddingBagConfig(name=t.name, embedding_dim=DIM, num_embeddings=t.rows, feature_names=t.features,
                                        pooling=PoolingType.MEAN if t.mean else PoolingType.SUM,
-                                       data_type=DataType.FP16 if t.fp16 else DataType.FP32) for t in mine
+                                       data_type=PRECISIONS[t.precision][0]) for t in mine
                 ], is_weighted=config.weighted, device=torch.device(device))
             setattr(self, collection, module)
         self.dense = nn.Sequential(nn.Linear(len(config.features()) * DIM, 4, device=device), nn.Tanh(),
@@ -404,6 +409,11 @@ class ReferenceTrainer:
             weight.grad = torch.sparse_coo_tensor(touched[None], weight.grad[touched], weight.shape).coalesce()
         for optimizer in self.optimizers + self.users:
             optimizer.step()
+        with torch.no_grad():
+            for t in self.config.tables:  # stored in low precision: the step's one rounding
+                if t.precision != "fp32":
+                    weight = self.model.tables[t.key].weight
+                    weight.copy_(weight.to(PRECISIONS[t.precision][1]).to(weight.dtype))
         for scheduler in self.schedulers:
             scheduler.step()
         self.model.zero_grad(set_to_none=True)
@@ -700,7 +710,7 @@ def run(rank: int, world_size: int, config: Config, directory: str, resume: bool
     the checkpoint into a model sharded for one rank, and trains on with the global batch.
     """
     torch.manual_seed(config.seed)
-    weights = {t.key: torch.randn(t.rows, DIM) for t in config.tables}
+    weights = {t.key: torch.randn(t.rows, DIM).to(PRECISIONS[t.precision][1]).float() for t in config.tables}
     dense = Model(config).dense
     reference = ReferenceTrainer(config, Reference(config, weights, dense))
     # The same reference in float64: how far float32 rounding alone takes the reference (an
@@ -781,7 +791,12 @@ def run(rank: int, world_size: int, config: Config, directory: str, resume: bool
                                lambda: ours.step([p[rank] for p in micro_batches(step + 1)]))
             _compare(ours, reference, diffs)
     moved = {n: (p.detach() - start[n]).abs().max().item() for n, p in reference.model.named_parameters()}
-    return {"outcome": "exact", "diffs": diffs, "moved": moved, "noise": noise, "from_exact": from_exact,
+    # one unit in the last place of the stored dtype, at the largest weight: where the float32 sums of the
+    # reference and ours come in another order, the one rounding may differ by that much
+    ulp = {t.key: torch.finfo(PRECISIONS[t.precision][1]).eps * 2.0 ** math.floor(math.log2(max(
+        reference.model.tables[t.key].weight.abs().max().item(), 2.0**-14)))
+        for t in config.tables if t.precision != "fp32"}
+    return {"outcome": "exact", "diffs": diffs, "moved": moved, "noise": noise, "from_exact": from_exact, "ulp": ulp,
             "resume": config.checkpoint == "one_rank" and not resume}
 
 

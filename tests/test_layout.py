@@ -25,7 +25,7 @@ PACKAGES = ("overlap_optim", "sharders")
 # Mutated after import, on purpose: name -> why (keep this short).
 ALLOWED_STATE = {
     "overlap_optim/round.py:_SCHEDULE": "the running backward's armed rounds, emptied when it ends",
-    "overlap_optim/testing.py:_open": "the test harness's pool of spawned ranks, reused by run_cases (no training state)",
+    "overlap_optim/testing.py:_open": "the harness's pool of spawned ranks, reused by run_cases (no training state)",
     "overlap_optim/testing.py:_batches": "the harness's count of batches of cases sent to that pool",
 }
 _MUTATORS = {"append", "extend", "add", "update", "setdefault", "pop", "popitem", "clear", "insert", "remove",

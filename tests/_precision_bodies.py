@@ -1,0 +1,250 @@
+"""Rank bodies of the low-precision table tests (spawned; not collected by pytest).
+
+The stated reference, in plain torch: each table is kept as stored (FP16 or BF16); every step
+reads a float32 copy of it, runs forward and backward on the global batch in float32, steps
+``torch.optim`` (float32 state) on that copy, and rounds the result once to the stored dtype,
+to nearest even. Ours is sharded on 2 ranks and compared with it, ulp by ulp, after every step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+from torchrec import KeyedJaggedTensor
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.modules.embedding_configs import DataType
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+import overlap_optim
+import sharders
+from overlap_optim import apply_optimizer_in_backward
+
+ROWS, DIM, BATCH = 16, 16, 4  # 16 columns: column_wise makes several shards
+DATA_TYPES = {torch.float32: DataType.FP32, torch.float16: DataType.FP16, torch.bfloat16: DataType.BF16}
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {"lr": 0.1}),
+    "sgd_momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.2}),
+    "rowwise_adagrad": (RowWiseAdagrad, {"lr": 0.2}),
+    "adam": (torch.optim.Adam, {"lr": 0.05}),
+    "adamw": (torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1}),
+    "adafactor": (torch.optim.Adafactor, {"lr": 0.05}),
+}
+# The reference's own torch.optim options, where they matter: ours steps AdamW's rows with torch's fused
+# CPU kernel (what AdamW(fused=True) calls), whose decoupled decay rounds in float32 otherwise than the
+# single-tensor AdamW (1 FP16 ulp at the first step, measured here, then fed back through the loss).
+REFERENCE_OPTIONS = {"adamw": {"fused": True}}
+# Untouched rows do not move under these (a zero gradient, no momentum yet, no weight decay): lazy and
+# dense torch.optim agree, so batches that touch some rows have a plain-torch reference too.
+LAZY_IS_DENSE = ("sgd", "adagrad", "rowwise_adagrad")
+NAMES = ("t0", "t1")
+
+
+def _batch(generator: torch.Generator, cover: bool) -> KeyedJaggedTensor:
+    """One rank's batch: per table a feature of BATCH bags; with ``cover``, bag 0 holds every row,
+    else every bag 2 ids from the first half of the rows (the second half untouched)."""
+    lengths, values = [], []
+    for _ in NAMES:
+        for sample in range(BATCH):
+            if cover and sample == 0:
+                ids = torch.randperm(ROWS, generator=generator)
+            else:
+                ids = torch.randint(0, ROWS if cover else ROWS // 2, (2,), generator=generator)
+            lengths.append(ids.numel())
+            values.append(ids)
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"f_{n}" for n in NAMES], values=torch.cat(values), lengths=torch.tensor(lengths))
+
+
+def _collection(dtype: torch.dtype, pooled: bool) -> nn.Module:
+    if pooled:
+        return EmbeddingBagCollection(device=torch.device("meta"), tables=[
+            EmbeddingBagConfig(name=n, embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f_{n}"],
+                               data_type=DATA_TYPES[dtype]) for n in NAMES])
+    return EmbeddingCollection(device=torch.device("meta"), tables=[
+        EmbeddingConfig(name=n, embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f_{n}"],
+                        data_type=DATA_TYPES[dtype]) for n in NAMES])
+
+
+def _outputs(out, pooled: bool) -> list[torch.Tensor]:
+    """Each table's output: ``[bags, dim]`` pooled, ``[ids, dim]`` not."""
+    return [out[f"f_{n}"] if pooled else out[f"f_{n}"].values() for n in NAMES]
+
+
+def _reference_outputs(tables: list[torch.Tensor], kjt: KeyedJaggedTensor, pooled: bool) -> list[torch.Tensor]:
+    outs = []
+    for name, table in zip(NAMES, tables):
+        feature = kjt[f"f_{name}"]
+        if pooled:
+            outs.append(nn.functional.embedding_bag(feature.values(), table, feature.offsets()[:-1], mode="sum"))
+        else:
+            outs.append(table.index_select(0, feature.values()))
+    return outs
+
+
+def _loss(outputs: list[torch.Tensor], heads: list[torch.Tensor]) -> torch.Tensor:
+    return sum((out.float() @ head).square().sum() for out, head in zip(outputs, heads))
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The largest distance in units in the last place between two tensors of one 16-bit dtype
+    (their bit patterns as ordered integers)."""
+    def ordered(x):
+        bits = x.contiguous().view(torch.int16).int()
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+    return int((ordered(a) - ordered(b)).abs().max()) if a.numel() else 0
+
+
+def _shard(dmp: nn.Module, name: str, pooled: bool):
+    key = f"embedding{'_bags' if pooled else 's'}.{name}.weight"
+    return [(s.metadata.shard_offsets, s.tensor) for s in dmp.state_dict()[key].local_shards()]
+
+
+def _whole(dmp: nn.Module, name: str, pooled: bool, dtype: torch.dtype) -> torch.Tensor:
+    """Our table ``name`` whole, from every rank's shards (each element from one shard: exact)."""
+    whole = torch.zeros(ROWS, DIM)
+    for (row, col), local in _shard(dmp, name, pooled):
+        whole[row : row + local.shape[0], col : col + local.shape[1]] = local.float()
+    dist.all_reduce(whole)
+    return whole.to(dtype)
+
+
+class _Reference:
+    """The stated reference: float32 copies of the stored tables, torch.optim on them, one rounding."""
+
+    def __init__(self, stored: list[torch.Tensor], optimizer: str) -> None:
+        cls, kwargs = OPTIMIZERS[optimizer]
+        self.stored = [t.clone() for t in stored]
+        self.copies = [nn.Parameter(t.float()) for t in stored]
+        self.optimizer = cls(self.copies, **kwargs, **REFERENCE_OPTIONS.get(optimizer, {}))
+
+    def step(self, parts: list[KeyedJaggedTensor], heads: list[torch.Tensor], pooled: bool) -> None:
+        with torch.no_grad():
+            for copy, table in zip(self.copies, self.stored):
+                copy.copy_(table.float())  # re-read from the stored precision every step
+        outputs = [_reference_outputs(self.copies, part, pooled) for part in parts]
+        (sum(_loss(out, heads) for out in outputs) / len(parts)).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.stored = [copy.detach().to(self.stored[0].dtype) for copy in self.copies]  # one rounding, to nearest even
+
+
+def train(rank, world_size, dtype, optimizer, sharding_type, pooled=True, steps=4, mutant=None):
+    """Ours against the stated reference; ``{"ulps": worst per step, "step_ulps": the same against a
+    reference that reads our weights at the start of each step (one step's own difference, not fed
+    back through the loss), "moved": ulps the reference moved, "state": dtypes of the optimizer
+    state}``. ``mutant``: "round_gradient" (the gradient rounded to the stored dtype before the
+    update) or "master_copy" (a float32 copy kept between steps: the final rounding skipped)."""
+    torch.manual_seed(0)
+    init = [(torch.randn(ROWS, DIM) * 0.5).to(dtype) for _ in NAMES]
+    heads = [torch.randn(DIM) for _ in NAMES]
+    restore = _mutate(mutant)
+    try:
+        dmp = _sharded(world_size, dtype, optimizer, sharding_type, pooled, init)
+        reference, synced = _Reference(init, optimizer), _Reference(init, optimizer)
+        worst, step_worst = [], []
+        for step in range(steps):
+            cover = optimizer not in LAZY_IS_DENSE or step % 2 == 0
+            generator = torch.Generator().manual_seed(100 + step)
+            parts = [_batch(generator, cover) for _ in range(world_size)]
+            synced.stored = [_whole(dmp, name, pooled, dtype) for name in NAMES]
+            _loss(_outputs(dmp(parts[rank]), pooled), heads).backward()
+            reference.step(parts, heads, pooled)
+            synced.step(parts, heads, pooled)
+            for out, against in ((worst, reference), (step_worst, synced)):
+                out.append(max(ulps(local, table[row : row + local.shape[0], col : col + local.shape[1]])
+                               for name, table in zip(NAMES, against.stored)
+                               for (row, col), local in _shard(dmp, name, pooled)))
+        stored = reference.stored
+        state = overlap_optim.get_optimizers(dmp).state_dict()["state"]
+        dtypes = sorted({str(v.dtype) for entry in state.values() for v in entry.values() if torch.is_tensor(v)
+                         and v.dim() > 0})
+        return {"ulps": worst, "step_ulps": step_worst, "moved": max(ulps(s, t) for s, t in zip(stored, init)),
+                "state": dtypes}
+    finally:
+        restore()
+
+
+def _sharded(world_size, dtype, optimizer, sharding_type, pooled, init):
+    """The collection of ``dtype`` tables sharded by ours, each table set to ``init``."""
+    cls, kwargs = OPTIMIZERS[optimizer]
+    collection = _collection(dtype, pooled)
+    apply_optimizer_in_backward(cls, collection.parameters(), kwargs)
+    sharder = (sharders.EmbeddingBagCollectionSharder if pooled else sharders.EmbeddingCollectionSharder)()
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device="cpu"),
+        constraints={n: ParameterConstraints(sharding_types=[sharding_type]) for n in NAMES})
+    plan = planner.collective_plan(collection, [sharder], dist.group.WORLD)
+    dmp = DistributedModelParallel(collection, plan=plan, sharders=[sharder], device=torch.device("cpu"))
+    _set(dmp, init, pooled)
+    return dmp
+
+
+def _set(dmp, tables, pooled=True):
+    with torch.no_grad():
+        for name, start in zip(NAMES, tables):
+            for (row, col), local in _shard(dmp, name, pooled):
+                local.copy_(start[row : row + local.shape[0], col : col + local.shape[1]])
+
+
+def checkpoint_dtypes(rank, world_size, directory, saved, loaded):
+    """A checkpoint of ``saved`` tables loaded into ``loaded`` ones: ``{"refused": the message
+    without cast (None if loaded), "unchanged": the tables as they were after it, "ulps": ours
+    after cast=True from the saved weights cast once, to nearest even}``."""
+    from overlap_optim import checkpoint
+
+    torch.manual_seed(1)
+    weights = [torch.randn(ROWS, DIM).to(saved) for _ in NAMES]
+    source = _sharded(world_size, saved, "sgd", "row_wise", True, weights)
+    path = checkpoint.save(f"{directory}/{saved}-{loaded}", source, overlap_optim.get_optimizers(source))
+    start = [torch.zeros(ROWS, DIM, dtype=loaded) for _ in NAMES]
+    target = _sharded(world_size, loaded, "sgd", "table_wise", True, start)
+    message = None
+    try:
+        checkpoint.load(path, target, overlap_optim.get_optimizers(target))
+    except checkpoint.CheckpointError as error:
+        message = str(error)
+    unchanged = all(_whole(target, n, True, loaded).eq(0).all().item() for n in NAMES)
+    checkpoint.load(path, target, overlap_optim.get_optimizers(target), cast=True)
+    cast = max(ulps(_whole(target, n, True, loaded), w.to(loaded)) if loaded != torch.float32 else
+               int((_whole(target, n, True, loaded) != w.float()).sum()) for n, w in zip(NAMES, weights))
+    return {"refused": message, "unchanged": unchanged, "ulps": cast}
+
+
+def refused(rank, world_size, dtype, optimizer, sharding_type, pooled=True):
+    """The message of the refusal when sharding (None if it shards)."""
+    try:
+        train(rank, world_size, dtype, optimizer, sharding_type, pooled, steps=1)
+    except NotImplementedError as error:
+        return str(error)
+    return None
+
+
+def _mutate(mutant):
+    from overlap_optim.table_optimizer import RowOptimizer
+
+    prepare, finish = RowOptimizer.prepare, RowOptimizer.finish
+    if mutant == "round_gradient":
+        def rounded(self, ids, grads):
+            rows, grad, state = prepare(self, ids, grads)
+            return rows, grad.to(self.weight.dtype).float(), state
+        RowOptimizer.prepare = rounded
+    elif mutant == "master_copy":
+        def from_master(self, ids, grads):
+            rows, grad, state = prepare(self, ids, grads)
+            master = self.__dict__.setdefault("_master", self.weight.float())
+            return master.index_select(0, ids), grad, state
+
+        def to_master(self, ids, rows, stepped):
+            self.__dict__["_master"].index_copy_(0, ids, rows)
+            finish(self, ids, rows, stepped)
+        RowOptimizer.prepare, RowOptimizer.finish = from_master, to_master
+    else:
+        assert mutant is None, mutant
+
+    def restore():
+        RowOptimizer.prepare, RowOptimizer.finish = prepare, finish
+    return restore
