@@ -29,7 +29,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when OpenMP starts: 
 import torch  # noqa: E402
 
 from benchmarks import (  # noqa: E402
-    accumulation, clipping, dense_hook, ec_vs_torchrec, fallback, fsdp, layerwise, limit, local_sgd, round_phases,
+    accumulation, clipping, dense_hook, ec_vs_torchrec, fallback, fsdp, layerwise, limit, local_sgd, precision,
+    round_phases,
     scaling, sparse_vs_torchrec, virtual_groups,
 )
 
@@ -48,6 +49,7 @@ MODULES = {
     "accumulation": accumulation,
     "fsdp": fsdp,
     "round_phases": round_phases,
+    "precision": precision,
 }
 FULL_COMMAND = ".venv/bin/python -m benchmarks.run --out benchmarks/results --docs docs/benchmarks.md"
 QUICK_COMMAND = ".venv/bin/python -m benchmarks.run --quick --out /tmp/bench"
@@ -210,19 +212,19 @@ NOTES = {
         "(views, no copy) until the norm is known, as torch holds `.grad`: the peaks are the same."
     ),
     "round_phases": (
-        "**The counts are the claim; the step times cannot show it here.** Today every round is its own "
-        "all-reduce: `separate` issues 2 CLIP and 3 STATISTICS all-reduces per step (5 rounds; 1 and 1 once "
-        "rounds of one phase and process group merge, the targets, missed until then), `one_set` 1 + 3, "
-        "`one_module` 2 + 1, `unclipped` 0 + 3; the same on both ranks, and the same round bytes whatever the "
+        "**The counts are the claim; the step times cannot show it here.** Rounds of one phase and process "
+        "group share one all-reduce (issue 40): `separate` issues 1 CLIP and 1 STATISTICS all-reduce per step "
+        "(before, every round was its own: 2 and 3, 5 rounds), `one_set` 1 + 1, `one_module` 1 + 1, "
+        "`unclipped` 0 + 1; the same on both ranks, and the same round bytes whatever the "
         "grouping but for the norm's 8 bytes per clipping set (the slots travel either way). Besides the rounds, "
         "each step makes one all-reduce in the DDP hook (the MLP's bucket) and, in the profiler's count, one per "
         "row_wise module: TorchRec's reduce-scatter of the pooled embeddings, which gloo runs as an all-reduce. "
-        "One gloo all-reduce of one float64 takes 0.10-0.16 ms on this machine, so the 5 rounds are 1-2% of a "
+        "One gloo all-reduce of one float64 takes 0.10-0.16 ms on this machine, so 5 rounds were 1-2% of a "
         "38-53 ms step, well inside the run-to-run spread (the machine was shared, load average 5-6 on 2 cores; "
-        "each peer's p25-p75 spans 30-60% of its median): four runs of `separate / one_set` (one CLIP all-reduce "
-        "more) gave 1.09, 1.07, 0.97, 1.08, `separate / unclipped` 1.04, 1.00, 1.00, 1.03. `separate / "
-        "one_module` (1.37, 1.39, 1.28, 1.44) is the cost of 3 sharded modules, each with its own input and "
-        "output dists, far more than its 2 extra STATISTICS all-reduces. Across machines, where an all-reduce "
+        "each peer's p25-p75 spans 30-60% of its median): before the merge, four runs of `separate / one_set` (one "
+        "CLIP all-reduce more then) gave 1.09, 1.07, 0.97, 1.08, `separate / unclipped` 1.04, 1.00, 1.00, 1.03; "
+        "after it, 1.07-1.08 and 1.08. `separate / one_module` (1.30-1.46) is the cost of 3 sharded modules, "
+        "each with its own input and output dists. Across machines, where an all-reduce "
         "costs its network latency, the count is what costs. Adafactor runs with `eps=(1e-16, 1e-3)`: with "
         "torch's default eps1 the clipped gradients of the split tables met the variance floor, and the "
         "cross-shard step refused to go on (`overlap_optim/cross_shard.py`)."

@@ -20,6 +20,7 @@ from overlap_optim import _private, meta_params
 from overlap_optim.clipping import GradientClipping, clipping_of, join_clipping, taken_by
 from overlap_optim.record import annotate, contract_of, group_of, record, record_of, set_live_optimizers
 from overlap_optim.spec import AnnotationGroup, OptimizerSpec, describe_optimizer, needs_closure
+from overlap_optim.state_precision import check_state_dtype
 from overlap_optim.update import live_optimizer, step_when_ready
 
 __all__ = [
@@ -38,6 +39,7 @@ def apply_optimizer_in_backward(
     *,
     replace: bool = False,
     group_options: dict[str, Any] | None = None,
+    state_dtype: torch.dtype | None = None,
 ) -> AnnotationGroup:
     """Make ``optimizer_class(**optimizer_kwargs)`` update ``params`` during backward.
 
@@ -65,6 +67,10 @@ def apply_optimizer_in_backward(
             ``{"rank": 4, "update_proj_gap": 50, "scale": 0.25,
             "projection_type": "std"}``; float ones may change at run time
             like any float setting.
+        state_dtype: keep the optimizer state in ``torch.bfloat16`` or
+            ``torch.float16`` between steps (None: float32): each step runs in
+            float32 and rounds each state tensor to it after
+            (:mod:`overlap_optim.state_precision`).
 
     Returns:
         The :class:`AnnotationGroup` of this call, one param group of
@@ -77,8 +83,8 @@ def apply_optimizer_in_backward(
             closure, it cannot step a param of that many dims (torch's Muon on
             a bias; named), ``params`` is empty or holds a tensor that does not
             require grad, a param is annotated differently already or is run
-            by a DDP hook or a sharder already, or a group option is a
-            constructor argument.
+            by a DDP hook or a sharder already, a group option is a
+            constructor argument, or ``state_dtype`` is not BF16, FP16 or None.
         NotImplementedError: the optimizer's ``step()`` keeps a name both in
             its param group and per parameter (see :mod:`overlap_optim.spec`).
 
@@ -87,6 +93,7 @@ def apply_optimizer_in_backward(
         >>> model(batch).sum().backward()  # dense layers are updated, grads are None
     """
     kwargs = dict(optimizer_kwargs or {})
+    state_dtype = check_state_dtype(state_dtype)
     _check_class(optimizer_class)
     _check_kwarg_names(optimizer_class, kwargs)
     options = _check_group_options(optimizer_class, group_options)
@@ -95,7 +102,7 @@ def apply_optimizer_in_backward(
     _check_not_taken(params)
     _check_not_annotated(params, optimizer_class, kwargs, replace)
 
-    group = AnnotationGroup(spec)
+    group = AnnotationGroup(spec, state_dtype)
     for param in params:
         _annotate(param, group)
     meta_params.remember(params)

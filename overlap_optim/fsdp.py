@@ -261,6 +261,12 @@ def _check_parameters(recorded: dict, custom_placement: bool) -> None:
         if group is None or _elementwise_on_dim0(group.spec, param, custom_placement):
             continue
         spec = group.spec
+        if group.state_dtype is not None:
+            raise ValueError(
+                f"parameter {name!r} (shape {tuple(param.shape)}) is annotated with {spec.name} and "
+                f"state_dtype={group.state_dtype}: its update across FSDP shards keeps its own state, which has no "
+                "low-precision form yet; annotate it without state_dtype, or keep this module out of fully_shard"
+            )
         if cross_shard_class(spec.optimizer_class, param.dim()) is None or custom_placement:
             raise ValueError(
                 f"parameter {name!r} (shape {tuple(param.shape)}) is annotated with {spec.name}, which does not "

@@ -190,12 +190,15 @@ class AnnotationGroup:
         together: for a group that asks torch for ``foreach`` or ``fused``, the
             optimizers that step a set of its tensors in one call (a DDP bucket's
             share, say), by the set's tensor ids; see :mod:`overlap_optim.update`.
+        state_dtype: the dtype its optimizer state is kept in between steps (None:
+            float32); see :mod:`overlap_optim.state_precision`.
     """
 
-    __slots__ = ("spec", "param_group", "made", "index", "together")
+    __slots__ = ("spec", "param_group", "made", "index", "together", "state_dtype")
 
-    def __init__(self, spec: OptimizerSpec) -> None:
+    def __init__(self, spec: OptimizerSpec, state_dtype: torch.dtype | None = None) -> None:
         self.spec = spec
+        self.state_dtype = state_dtype
         self.param_group: dict[str, Any] = {**spec.defaults, "params": []}
         # A clock, not a count the process shares, so nothing that ran before shows. Making a group takes
         # microseconds, far above the clock's resolution (ns on Linux, 100 ns on Windows): no two tie.

@@ -188,13 +188,14 @@ class RowOptimizer(TableOptimizer):
         assert group.spec.row_separable, f"{group.spec.name} is not row-separable"
         super().__init__(weight, group, name)
         self.math_dtype = math_dtype(weight.dtype)
+        self.state_dtype = group.state_dtype or self.math_dtype  # what its rows' state is kept in
         # A reusable optimizer whose param and state are swapped in at each step.
         self._placeholder = torch.zeros(1, weight.shape[1], dtype=self.math_dtype, device=weight.device)
         self._optimizer = group.spec.make([self._placeholder])
         self._rows: dict[str, torch.Tensor] = {}
         self._table: dict[str, Any] = {}
         # Fixed at annotation, as everything it depends on (a changed fixed setting is refused).
-        self.one_pass = row_pass.applies(group.spec, group.param_group, weight)
+        self.one_pass = row_pass.applies(group.spec, group.param_group, weight) and group.state_dtype is None
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
@@ -245,8 +246,8 @@ class RowOptimizer(TableOptimizer):
             self._allocate()
         self.weight.index_copy_(0, ids, rows.to(self.weight.dtype))  # low precision: the one rounding
         for key, value in stepped.items():
-            if key in self._row_keys:
-                self._rows[key].index_copy_(0, ids, value)
+            if key in self._row_keys:  # rounded to the state's dtype (low-precision state: its one rounding)
+                self._rows[key].index_copy_(0, ids, value.to(self._rows[key].dtype))
             else:
                 self._table[key] = value
 
@@ -264,7 +265,7 @@ class RowOptimizer(TableOptimizer):
 
     def state_for_rows(self, ids: torch.Tensor) -> dict[str, Any]:
         """The optimizer state of rows ``ids``, as torch.optim would hold it for them."""
-        return {**{k: v.index_select(0, ids) for k, v in self._rows.items()}, **self._table}
+        return {**{k: v.index_select(0, ids).to(self.math_dtype) for k, v in self._rows.items()}, **self._table}
 
     def _make_placeholder(self) -> None:
         """A step on no rows: the state exists, no weight changes."""
@@ -275,7 +276,8 @@ class RowOptimizer(TableOptimizer):
         self._rows, self._table = {}, {}
 
     def _set_state(self, state: dict[str, Any]) -> None:
-        self._rows = {k: v for k, v in state.items() if k in self._row_keys}
+        # loaded in another dtype than the state is kept in: cast once, to nearest even
+        self._rows = {k: v.to(self.state_dtype) for k, v in state.items() if k in self._row_keys}
         self._table = {k: v for k, v in state.items() if k not in self._row_keys}
 
     def _check_layout(self, stepped: dict[str, Any]) -> None:
@@ -295,7 +297,7 @@ class RowOptimizer(TableOptimizer):
         for key in self._row_keys:
             entry = self.group.spec.state[key]
             shape = (rows, *(dim if size == -1 else size for size in entry.tail))
-            self._rows[key] = torch.full(shape, entry.fresh, dtype=self.math_dtype, device=self.weight.device)
+            self._rows[key] = torch.full(shape, entry.fresh, dtype=self.state_dtype, device=self.weight.device)
 
 
 class DenseTableOptimizer(TableOptimizer):

@@ -32,6 +32,7 @@ from overlap_optim.clipping import clipping_of
 from overlap_optim.gradient_path import take
 from overlap_optim.record import group_of, live_optimizers, record, record_of, set_live_optimizers
 from overlap_optim.spec import AnnotationGroup
+from overlap_optim.state_precision import in_float32, stored
 from overlap_optim.fused import applies as fused_applies
 from overlap_optim.virtual_groups import VirtualKey, fused_kernel_step, multi_tensor_step, virtual_key
 
@@ -121,9 +122,12 @@ class StepPlan:
             check_live(param)
         for how, index, group in self._alone:
             members = [self.params[i] for i in index]
-            if how == "fused" and fused_kernel_step(group.spec, members, [grads[i] for i in index],
-                                                    _real_states(members), [group.param_group] * len(index)):
-                continue
+            if how == "fused":
+                with in_float32(_real_states(members), [group.state_dtype] * len(members)) as states:
+                    fused = fused_kernel_step(group.spec, members, [grads[i] for i in index], states,
+                                              [group.param_group] * len(index))
+                if fused:
+                    continue
             for i in index:
                 self.params[i].grad = grads[i]
             if how == "own":
@@ -132,8 +136,8 @@ class StepPlan:
             else:
                 _step_together(members)
         for spec, members, index, hypers in self._sets:
-            states = _real_states(members)
-            multi_tensor_step(spec, members, [grads[i] for i in index], states, hypers)
+            with in_float32(_real_states(members), [self._groups[i].state_dtype for i in index]) as states:
+                multi_tensor_step(spec, members, [grads[i] for i in index], states, hypers)
 
 
 def _planned_as(group: AnnotationGroup, param: torch.Tensor) -> VirtualKey | str:
@@ -168,10 +172,13 @@ def _step_together(members: list[torch.Tensor]) -> None:
     optimizer = group.together.get(key)
     if optimizer is None:  # the tensors stay alive while it holds them: their ids stay theirs
         optimizer = group.together[key] = group.spec.make(members)
-    for p in members:
-        optimizer.state[p] = _real_state(p, live_optimizer(p))
-    group.step(optimizer)
-    for p in members:
+    stored = [_real_state(p, live_optimizer(p)) for p in members]
+    with in_float32(stored, [group.state_dtype] * len(members)) as states:
+        for p, state in zip(members, states):
+            optimizer.state[p] = state
+        group.step(optimizer)
+    for p, state in zip(members, stored):
+        optimizer.state[p] = state
         p.grad = None
 
 
@@ -194,9 +201,18 @@ def step_param(param: torch.Tensor) -> None:
     optimizer = live_optimizer(param)
     assert optimizer is not None, "step_param on a parameter without a live optimizer"
     check_live(param)
-    _real_state(param, optimizer)
-    group_of(param).step(optimizer, param)
+    _step_in_float32(param, optimizer, _real_state(param, optimizer))
     param.grad = None
+
+
+def _step_in_float32(param: torch.Tensor, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """The group's step of ``param`` by its ``optimizer``, on ``state`` kept in the group's
+    ``state_dtype`` (:mod:`overlap_optim.state_precision`; float32: as it is)."""
+    group = group_of(param)
+    with in_float32([state], [group.state_dtype]) as (work,):
+        optimizer.state[param] = work
+        group.step(optimizer, param)
+    optimizer.state[param] = state
 
 
 def check_live(param: torch.Tensor) -> None:
@@ -224,7 +240,7 @@ def init_placeholder_state(param: torch.Tensor) -> None:
     else:
         kept = param.detach().clone()
         param.grad = torch.zeros_like(param)
-        group_of(param).step(optimizer, param)
+        _step_in_float32(param, optimizer, optimizer.state[param])
         with torch.no_grad():
             param.copy_(kept)
         param.grad = None
@@ -282,7 +298,8 @@ def load_param_state(param: torch.Tensor, state: dict[str, Any]) -> None:
     optimizer = live_optimizer(param)
     optimizer.state.pop(param, None)
     if state:
-        optimizer.state[param] = state
+        dtype = group_of(param).state_dtype  # a state of another dtype: cast once, to nearest even
+        optimizer.state[param] = state if dtype is None else {k: stored(v, dtype) for k, v in state.items()}
     _take_placeholder(param)
 
 

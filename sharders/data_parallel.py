@@ -48,6 +48,7 @@ class DataParallelTable(TableKernel):
     compute_kernel = None  # the plan's own
     plan_kernels = frozenset({"dense"})
     sharded_state = False  # the weight carries its annotation: get_optimizers finds it as a parameter
+    low_precision_state = True  # the DDP hook's steps keep state_dtype (overlap_optim.state_precision)
     float32_only = ("autograd gives an FP16/BF16 weight a gradient in that dtype, which DDP would reduce and "
                     "torch.optim step in it, where the reference steps on the float32 gradient")
 

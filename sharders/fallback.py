@@ -118,6 +118,7 @@ class LazyTable(FallbackTable):
     semantics = "lazy"
     # Rows read in float32, stepped in float32 with float32 state, rounded once when written back.
     precisions = frozenset({torch.float32, torch.float16, torch.bfloat16})
+    low_precision_state = True  # its rows' state kept in state_dtype, read in float32
 
     def make_optimizer(self, weight: torch.Tensor, config: Any, context: BuildContext) -> TableOptimizer:
         return RowOptimizer(weight, self.group, self.table)

@@ -200,6 +200,8 @@ class TableKernel:
     # The weight dtypes it runs exactly; for any other, why not (the refusal names the table and this).
     precisions: ClassVar[frozenset[torch.dtype]] = frozenset({torch.float32})
     float32_only: ClassVar[str] = "its FP16 and BF16 forms are not built yet"
+    # Whether it keeps an annotation's state_dtype (overlap_optim.state_precision) exactly.
+    low_precision_state: ClassVar[bool] = False
 
     def __init__(self, decision: TableDecision) -> None:
         self.decision = decision

@@ -119,6 +119,9 @@ def decide(
         choice = _choice(table, group, compute_kernel, device_type, pinned, dense, clip, variable_batch)
         if choice.fused and device_type == "cpu" and any(0 in size for size in shard_sizes):
             choice = KernelChoice(False, reason="a shard with no rows: FBGEMM's CPU kernel cannot hold an empty table")
+        if choice.fused and group.state_dtype is not None:
+            choice = KernelChoice(False, reason=f"state_dtype={group.state_dtype}: FBGEMM keeps low-precision "
+                                  "state on CUDA only (optimizer_state_dtypes); the fallback keeps it exactly")
         if choice.fused and weight.dtype != torch.float32:
             choice = KernelChoice(False, reason=f"{_DTYPE_NAMES.get(weight.dtype, weight.dtype)} weights: "
                                   f"{_NOT_FUSED_LOW_PRECISION}; the fallback rounds once")
@@ -129,6 +132,13 @@ def decide(
     facts = TableFacts(table, sharding_type, None if group is None else group.spec, choice, frozen=frozen,
                        cross_shard=cross_shard, dense_requested=table in dense)
     kind = kind_of(facts)
+    if group is not None and group.state_dtype is not None and not kind.low_precision_state:
+        raise NotImplementedError(
+            f"table {table!r} is annotated with state_dtype={group.state_dtype} and runs as "
+            f"{kind.kind.value if hasattr(kind.kind, 'value') else kind.kind} ({sharding_type}), which keeps its "
+            "optimizer state in float32 only; low-precision state runs in the fallback on touched rows and in "
+            "the DDP hook (data_parallel); annotate the table without state_dtype"
+        )
     if weight.dtype not in kind.precisions:
         raise NotImplementedError(
             f"table {table!r} holds its weights in {_DTYPE_NAMES.get(weight.dtype, weight.dtype)} and runs as "

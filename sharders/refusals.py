@@ -80,6 +80,16 @@ REFUSALS: tuple[Refusal, ...] = (
         r"holds its weights in (FP16|BF16) and runs as",
     ),
     Refusal(
+        "low_precision_state",
+        "state_dtype=torch.bfloat16 (or float16) on a table that does not run in the fallback on touched rows "
+        "or in the DDP hook (dense_tables, a layer-wise or cross-shard form), or on a parameter that FSDP2 steps "
+        "across its shards",
+        "shard",
+        "those forms keep their own float32 state, with no low-precision form yet",
+        "the fallback on a model-parallel sharding type, data_parallel, or no state_dtype",
+        r"state_dtype=torch\.(bfloat16|float16).*(keeps its optimizer state in float32 only|no low-precision form)",
+    ),
+    Refusal(
         "not_separable",
         "a table split into column (row) shards whose optimizer's update is not separable by columns "
         "(rows) and has no cross-shard form: pytorch-optimizer's AdamP, and torchrec's RowWiseAdagrad with "

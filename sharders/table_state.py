@@ -214,7 +214,9 @@ class ShardedTables:
         metadata = _private.ShardedTensorMetadata(
             shards_metadata=[self._state_metadata(table, name, s) for s in table.shards],
             size=torch.Size(self._global_shape(table, name)),
-            tensor_properties=_private.TensorProperties(dtype=math_dtype(table.dtype)),  # FP16 tables: float32 state
+            # the state's own dtype: its annotation's state_dtype, else float32 for FP16 and BF16 tables
+            tensor_properties=_private.TensorProperties(
+                dtype=getattr(table.group, "state_dtype", None) or math_dtype(table.dtype)),
         )
         local = [
             _private.Shard(piece.state.row_state[name], self._state_metadata(table, name, piece.metadata))

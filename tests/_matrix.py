@@ -86,6 +86,7 @@ class Table:
     mean: bool = False  # MEAN pooling (EBC)
     shared: bool = False  # looked up by two features
     precision: str = "fp32"  # a key of PRECISIONS: the table's data_type
+    state_bf16: bool = False  # annotated with state_dtype=torch.bfloat16
     kernel: str | None = None  # a hand-made plan's compute kernel for it (None: the planner's)
 
     @property
@@ -345,6 +346,7 @@ class ReferenceTrainer:
         self.optimizers: list[torch.optim.Optimizer] = []  # those of annotated parameters
         self.users: list[torch.optim.Optimizer] = []  # the user's own (not scheduled)
         self.lazy: dict[str, torch.optim.Optimizer] = {}  # table -> its sparse reference
+        self.bf16_state: list[torch.optim.Optimizer] = []  # those whose state is rounded to BF16 after each step
         for t in config.tables:
             weight = model.tables[t.key].weight
             if t.optimizer == "frozen":
@@ -358,6 +360,8 @@ class ReferenceTrainer:
                     path = lazy_path
                 optimizer = _class(path)([weight], **kwargs)
                 self.optimizers.append(optimizer)
+                if t.state_bf16:
+                    self.bf16_state.append(optimizer)
                 if t.lazy and path == "torch.optim.SparseAdam":
                     self.lazy[t.key] = optimizer
         if config.dense_part not in ("hook", "fsdp"):
@@ -410,6 +414,11 @@ class ReferenceTrainer:
         for optimizer in self.optimizers + self.users:
             optimizer.step()
         with torch.no_grad():
+            for optimizer in self.bf16_state:  # low-precision state: each state tensor rounded after the step
+                for state in optimizer.state.values():
+                    for value in state.values():
+                        if torch.is_tensor(value) and value.dim():
+                            value.copy_(value.to(torch.bfloat16))
             for t in self.config.tables:  # stored in low precision: the step's one rounding
                 if t.precision != "fp32":
                     weight = self.model.tables[t.key].weight
@@ -488,7 +497,8 @@ class Ours:
                 weight.requires_grad_(False)
             elif t.optimizer != "user":
                 path, kwargs, _, _ = OPTIMIZERS[t.optimizer]
-                overlap_optim.apply_optimizer_in_backward(_class(path), [weight], kwargs)
+                overlap_optim.apply_optimizer_in_backward(_class(path), [weight], kwargs,
+                                                          state_dtype=torch.bfloat16 if t.state_bf16 else None)
         if config.dense_part in ("hook", "fsdp"):
             overlap_optim.apply_optimizer_in_backward(_class(DENSE_OPTIMIZER[0]), model.dense.parameters(),
                                                       DENSE_OPTIMIZER[1])
@@ -796,6 +806,9 @@ def run(rank: int, world_size: int, config: Config, directory: str, resume: bool
     ulp = {t.key: torch.finfo(PRECISIONS[t.precision][1]).eps * 2.0 ** math.floor(math.log2(max(
         reference.model.tables[t.key].weight.abs().max().item(), 2.0**-14)))
         for t in config.tables if t.precision != "fp32"}
+    for t in config.tables:  # BF16 state: a state element rounded the other way moves an update by ~ lr * 2^-8
+        if t.state_bf16:
+            ulp[t.key] = max(ulp.get(t.key, 0.0), OPTIMIZERS[t.optimizer][1]["lr"] * 2.0**-7 * config.steps)
     return {"outcome": "exact", "diffs": diffs, "moved": moved, "noise": noise, "from_exact": from_exact, "ulp": ulp,
             "resume": config.checkpoint == "one_rank" and not resume}
 

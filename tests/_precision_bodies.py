@@ -8,6 +8,8 @@ to nearest even. Ours is sharded on 2 ranks and compared with it, ulp by ulp, af
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -90,11 +92,13 @@ def _loss(outputs: list[torch.Tensor], heads: list[torch.Tensor]) -> torch.Tenso
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
-    """The largest distance in units in the last place between two tensors of one 16-bit dtype
-    (their bit patterns as ordered integers)."""
+    """The largest distance in units in the last place between two tensors of one dtype (FP16,
+    BF16 or FP32; their bit patterns as ordered integers)."""
     def ordered(x):
-        bits = x.contiguous().view(torch.int16).int()
-        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+        wide = x.element_size() == 4
+        bits = x.contiguous().view(torch.int32 if wide else torch.int16).long()
+        sign = 0x7FFFFFFF if wide else 0x7FFF
+        return torch.where(bits < 0, -(bits & sign), bits)
     return int((ordered(a) - ordered(b)).abs().max()) if a.numel() else 0
 
 
@@ -112,11 +116,24 @@ def _whole(dmp: nn.Module, name: str, pooled: bool, dtype: torch.dtype) -> torch
     return whole.to(dtype)
 
 
+def round_state(optimizer: torch.optim.Optimizer, state_dtype: torch.dtype | None) -> None:
+    """The reference of low-precision state: each state tensor (step counters aside) rounded to
+    ``state_dtype`` after the step, to nearest even, kept as float32 values."""
+    if state_dtype is None:
+        return
+    with torch.no_grad():
+        for state in optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value) and value.dim():
+                    value.copy_(value.to(state_dtype))
+
+
 class _Reference:
     """The stated reference: float32 copies of the stored tables, torch.optim on them, one rounding."""
 
-    def __init__(self, stored: list[torch.Tensor], optimizer: str) -> None:
+    def __init__(self, stored: list[torch.Tensor], optimizer: str, state_dtype: torch.dtype | None = None) -> None:
         cls, kwargs = OPTIMIZERS[optimizer]
+        self.state_dtype = state_dtype
         self.stored = [t.clone() for t in stored]
         self.copies = [nn.Parameter(t.float()) for t in stored]
         self.optimizer = cls(self.copies, **kwargs, **REFERENCE_OPTIONS.get(optimizer, {}))
@@ -129,28 +146,37 @@ class _Reference:
         (sum(_loss(out, heads) for out in outputs) / len(parts)).backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
+        round_state(self.optimizer, self.state_dtype)
         self.stored = [copy.detach().to(self.stored[0].dtype) for copy in self.copies]  # one rounding, to nearest even
 
 
-def train(rank, world_size, dtype, optimizer, sharding_type, pooled=True, steps=4, mutant=None):
+def train(rank, world_size, dtype, optimizer, sharding_type, pooled=True, steps=4, mutant=None, state_dtype=None,
+          reload=False):
     """Ours against the stated reference; ``{"ulps": worst per step, "step_ulps": the same against a
     reference that reads our weights at the start of each step (one step's own difference, not fed
     back through the loss), "moved": ulps the reference moved, "state": dtypes of the optimizer
     state}``. ``mutant``: "round_gradient" (the gradient rounded to the stored dtype before the
-    update) or "master_copy" (a float32 copy kept between steps: the final rounding skipped)."""
+    update) or "master_copy" (a float32 copy kept between steps: the final rounding skipped). ``state_dtype``: the
+    annotation's. ``reload``: mid-run, the optimizer's state_dict() loaded into a fresh model."""
     torch.manual_seed(0)
     init = [(torch.randn(ROWS, DIM) * 0.5).to(dtype) for _ in NAMES]
     heads = [torch.randn(DIM) for _ in NAMES]
     restore = _mutate(mutant)
     try:
-        dmp = _sharded(world_size, dtype, optimizer, sharding_type, pooled, init)
-        reference, synced = _Reference(init, optimizer), _Reference(init, optimizer)
+        dmp = _sharded(world_size, dtype, optimizer, sharding_type, pooled, init, state_dtype)
+        reference, synced = _Reference(init, optimizer, state_dtype), _Reference(init, optimizer, state_dtype)
         worst, step_worst = [], []
         for step in range(steps):
             cover = optimizer not in LAZY_IS_DENSE or step % 2 == 0
             generator = torch.Generator().manual_seed(100 + step)
             parts = [_batch(generator, cover) for _ in range(world_size)]
+            if reload and step == steps // 2:  # into a fresh model and optimizer, mid-run
+                saved = overlap_optim.get_optimizers(dmp).state_dict()
+                weights = [_whole(dmp, name, pooled, dtype) for name in NAMES]
+                dmp = _sharded(world_size, dtype, optimizer, sharding_type, pooled, weights, state_dtype)
+                overlap_optim.get_optimizers(dmp).load_state_dict(saved)
             synced.stored = [_whole(dmp, name, pooled, dtype) for name in NAMES]
+            synced.optimizer.load_state_dict(copy.deepcopy(reference.optimizer.state_dict()))  # its state, our weights
             _loss(_outputs(dmp(parts[rank]), pooled), heads).backward()
             reference.step(parts, heads, pooled)
             synced.step(parts, heads, pooled)
@@ -168,11 +194,11 @@ def train(rank, world_size, dtype, optimizer, sharding_type, pooled=True, steps=
         restore()
 
 
-def _sharded(world_size, dtype, optimizer, sharding_type, pooled, init):
+def _sharded(world_size, dtype, optimizer, sharding_type, pooled, init, state_dtype=None):
     """The collection of ``dtype`` tables sharded by ours, each table set to ``init``."""
     cls, kwargs = OPTIMIZERS[optimizer]
     collection = _collection(dtype, pooled)
-    apply_optimizer_in_backward(cls, collection.parameters(), kwargs)
+    apply_optimizer_in_backward(cls, collection.parameters(), kwargs, state_dtype=state_dtype)
     sharder = (sharders.EmbeddingBagCollectionSharder if pooled else sharders.EmbeddingCollectionSharder)()
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=world_size, compute_device="cpu"),
@@ -214,10 +240,10 @@ def checkpoint_dtypes(rank, world_size, directory, saved, loaded):
     return {"refused": message, "unchanged": unchanged, "ulps": cast}
 
 
-def refused(rank, world_size, dtype, optimizer, sharding_type, pooled=True):
+def refused(rank, world_size, dtype, optimizer, sharding_type, pooled=True, state_dtype=None):
     """The message of the refusal when sharding (None if it shards)."""
     try:
-        train(rank, world_size, dtype, optimizer, sharding_type, pooled, steps=1)
+        train(rank, world_size, dtype, optimizer, sharding_type, pooled, steps=1, state_dtype=state_dtype)
     except NotImplementedError as error:
         return str(error)
     return None
@@ -248,3 +274,45 @@ def _mutate(mutant):
     def restore():
         RowOptimizer.prepare, RowOptimizer.finish = prepare, finish
     return restore
+
+
+def ddp_state(rank, world_size, state_dtype, steps=4):
+    """An MLP annotated with Adam and ``state_dtype`` state, stepped in our DDP hook, against one
+    process of ``torch.optim`` on the global batch with each state tensor rounded after each step,
+    the reference starting each step from our weights and state. ``{"diffs": largest weight
+    difference per step, "state_ulps": largest state difference per step, "state": state dtypes}``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    reference = copy.deepcopy(model)
+    apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 0.01}, state_dtype=state_dtype)
+    ours = DistributedDataParallel(model)
+    overlap_optim.register_optimizer_hook(ours)
+    keyed = overlap_optim.get_optimizers(ours)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01)
+    names = [n for n, _ in reference.named_parameters()]
+    diffs, state_ulps = [], []
+    for step in range(steps):
+        with torch.no_grad():  # the reference starts from our weights and state
+            for mine, theirs in zip(model.parameters(), reference.parameters()):
+                theirs.copy_(mine)
+        saved = keyed.state_dict()["state"] if step else {}  # before the first step: placeholders
+        for name, param in reference.named_parameters():
+            if name in saved:
+                ref_opt.state[param] = {k: v.float().clone() if v.dim() else v.clone() for k, v in saved[name].items()}
+        generator = torch.Generator().manual_seed(50 + step)
+        inputs = torch.randn(world_size * 8, 16, generator=generator)
+        ours(inputs[rank * 8 : (rank + 1) * 8]).square().mean().backward()
+        reference(inputs).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        round_state(ref_opt, state_dtype)
+        diffs.append(max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters())))
+        mine = keyed.state_dict()["state"]
+        state_ulps.append(max(ulps(mine[n][k], ref_opt.state[p][k].to(state_dtype))
+                              for n, p in zip(names, reference.parameters()) for k in ("exp_avg", "exp_avg_sq")))
+    state = keyed.state_dict()["state"]
+    dtypes = sorted({str(v.dtype) for entry in state.values() for v in entry.values() if torch.is_tensor(v)
+                     and v.dim() > 0})
+    return {"diffs": diffs, "state_ulps": state_ulps, "state": dtypes}

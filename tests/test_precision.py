@@ -16,7 +16,7 @@ from functools import partial
 import pytest
 import torch
 
-from _precision_bodies import checkpoint_dtypes, refused, train
+from _precision_bodies import checkpoint_dtypes, ddp_state, refused, train
 from overlap_optim.testing import run_cases, selected_cases
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -41,6 +41,21 @@ for dtype_name, dtype in DTYPES.items():
                                                       pooled=False)
     CASES[f"{dtype_name}/sgd/table_wise/ec"] = partial(train, dtype=dtype, optimizer="sgd", sharding_type="table_wise",
                                                        pooled=False)
+# Optimizer state kept in BF16 or FP16 (state_dtype=): the reference rounds each state tensor after each step.
+STATE = {
+    "state/bf16_adam/fp16_table/table_wise": partial(train, dtype=torch.float16, optimizer="adam",
+                                                     sharding_type="table_wise", state_dtype=torch.bfloat16),
+    "state/fp16_adagrad/bf16_table/column_wise": partial(train, dtype=torch.bfloat16, optimizer="adagrad",
+                                                         sharding_type="column_wise", state_dtype=torch.float16),
+    "state/bf16_sgd_momentum/fp16_table/table_row_wise": partial(
+        train, dtype=torch.float16, optimizer="sgd_momentum", sharding_type="table_row_wise",
+        state_dtype=torch.bfloat16),
+    "state/bf16_adam/fp16_table/reloaded": partial(train, dtype=torch.float16, optimizer="adam",
+                                                   sharding_type="row_wise", state_dtype=torch.bfloat16, reload=True),
+}
+DDP_STATE = {
+    "ddp_hook/bf16_adam": partial(ddp_state, state_dtype=torch.bfloat16),
+}
 MUTANTS = {
     "mutant/round_gradient": partial(train, dtype=torch.float16, optimizer="sgd", sharding_type="table_wise",
                                      mutant="round_gradient"),
@@ -50,13 +65,15 @@ MUTANTS = {
 REFUSED = {
     "refused/data_parallel": partial(refused, dtype=torch.float16, optimizer="adam", sharding_type="data_parallel"),
     "refused/adafactor": partial(refused, dtype=torch.bfloat16, optimizer="adafactor", sharding_type="table_wise"),
+    "refused/state_dtype_adafactor": partial(refused, dtype=torch.float32, optimizer="adafactor",
+                                             sharding_type="table_wise", state_dtype=torch.bfloat16),
 }
 CHECKPOINTS = {  # saved as, loaded into
     "checkpoint/fp32_into_fp16": (torch.float32, torch.float16),
     "checkpoint/fp32_into_bf16": (torch.float32, torch.bfloat16),
     "checkpoint/fp16_into_fp32": (torch.float16, torch.float32),
 }
-ALL = {**CASES, **MUTANTS, **REFUSED, **{name: None for name in CHECKPOINTS}}
+ALL = {**CASES, **STATE, **DDP_STATE, **MUTANTS, **REFUSED, **{name: None for name in CHECKPOINTS}}
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +94,26 @@ def test_each_step_equals_the_float32_reference_rounded_once(ranks, case):
         assert result["state"] in ([], ["torch.float32"]), (case, result["state"])
 
 
+@pytest.mark.parametrize("case", list(STATE))
+def test_low_precision_state_is_the_update_with_each_state_tensor_rounded(ranks, case):
+    dtype = "torch.float16" if case.startswith("state/fp16_") else "torch.bfloat16"
+    for result in ranks[case]:
+        assert max(result["step_ulps"]) <= ULPS, (case, result["step_ulps"])
+        assert max(result["ulps"]) <= ULPS, (case, result["ulps"])
+        assert result["moved"] > 8, f"{case}: the reference must move ({result['moved']} ulps)"
+        assert result["state"] == [dtype], (case, result["state"])
+
+
+@pytest.mark.parametrize("case", list(DDP_STATE))
+def test_low_precision_state_in_the_ddp_hook(ranks, case):
+    for result in ranks[case]:
+        # each step from our weights and state: float32 weights (DDP averages in another order than one
+        # process), the state exactly the reference's rounded (at most one BF16 ulp, a tie)
+        assert max(result["diffs"]) <= 1e-6, (case, result["diffs"])
+        assert max(result["state_ulps"]) <= 1, (case, result["state_ulps"])
+        assert result["state"] == ["torch.bfloat16"], result["state"]
+
+
 @pytest.mark.parametrize("case", list(MUTANTS))
 def test_a_mutant_of_the_rounding_rule_is_caught(ranks, case):
     for result in ranks[case]:
@@ -87,7 +124,7 @@ def test_a_mutant_of_the_rounding_rule_is_caught(ranks, case):
 def test_what_cannot_meet_the_reference_is_refused_by_table(ranks, case):
     messages = ranks[case]
     assert messages[0] is not None and messages[0] == messages[1], messages
-    assert "table 't0'" in messages[0] and ("FP16" in messages[0] or "BF16" in messages[0]), messages[0]
+    assert "table 't0'" in messages[0] and any(s in messages[0] for s in ("FP16", "BF16", "state_dtype")), messages[0]
 
 
 @pytest.mark.parametrize("case", list(CHECKPOINTS))
@@ -97,3 +134,41 @@ def test_a_checkpoint_of_another_dtype_is_refused_unless_cast(ranks, case):
         assert "embedding_bags.t0.weight: saved torch.float" in result["refused"], result["refused"]
         assert result["unchanged"], "the refused load changed the tables"
         assert result["ulps"] == 0, f"cast=True: not the saved weights rounded once: {result}"
+
+
+@pytest.mark.parametrize("options", [{}, {"foreach": True}], ids=["own_step", "foreach_group"])
+def test_low_precision_state_in_one_process_is_bitwise_the_rounded_reference(options):
+    """A parameter's own step and a foreach group's one step: bitwise the reference with each state
+    tensor rounded to BF16 after each step; the state is kept in BF16."""
+    from _precision_bodies import round_state
+    from overlap_optim import apply_optimizer_in_backward, get_optimizers
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    reference.load_state_dict(model.state_dict())
+    start = [p.detach().clone() for p in reference.parameters()]
+    apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 0.05, **options},
+                                state_dtype=torch.bfloat16)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.05, **options)
+    for _ in range(5):
+        batch = torch.randn(16, 8)
+        model(batch).square().mean().backward()
+        reference(batch).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        round_state(ref_opt, torch.bfloat16)
+        for mine, theirs in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(mine, theirs)
+    assert min((p - s).abs().max().item() for p, s in zip(reference.parameters(), start)) > 1e-2, "must move"
+    state = get_optimizers(model).state_dict()["state"]
+    assert {v.dtype for entry in state.values() for v in entry.values() if v.dim()} == {torch.bfloat16}
+
+
+def test_a_state_dtype_that_is_not_bf16_or_fp16_is_refused_by_name():
+    from overlap_optim import apply_optimizer_in_backward
+
+    layer = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"state_dtype must be torch.bfloat16, torch.float16 or None .* torch.int8"):
+        apply_optimizer_in_backward(torch.optim.Adam, layer.parameters(), {"lr": 0.1}, state_dtype=torch.int8)
+    assert not hasattr(layer.weight, "_optimizer_classes"), "a refused annotation changed the parameter"

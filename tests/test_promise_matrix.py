@@ -47,6 +47,9 @@ PREDICATES = {
     # FP16 and BF16 run in the fallback on touched rows; every other kind is float32 only
     "low_precision_table": lambda c: any(t.precision != "fp32" and (not t.lazy or (
         t.optimizer.startswith("rowwise_adagrad") and t.sharding in COLUMN_SPLITS)) for t in c.tables),
+    # BF16 state runs in the lazy fallback and in the DDP hook (data_parallel)
+    "low_precision_state": lambda c: any(t.state_bf16 and t.sharding != "data_parallel" and (not t.lazy or (
+        t.optimizer.startswith("rowwise_adagrad") and t.sharding in COLUMN_SPLITS)) for t in c.tables),
     # the matrix declares VBE (variable_batch=True): fused tables that cannot take it go to the fallback
     "variable_batch": lambda c: c.vbe and (
         c.micro > 1 or any(t.sharding == "data_parallel" or t.optimizer in NO_OPTIMIZER
@@ -86,6 +89,7 @@ def tables(draw, collection: str, index: int, cover: bool, weighted: bool, shard
         # the edges of a user's own inputs, now and then (most of them refused: rare, so that most
         # examples train)
         precision=draw(st.sampled_from(["fp32"] * 36 + ["fp16"] * 2 + ["bf16"] * 2)),
+        state_bf16=optimizer not in NO_OPTIMIZER and draw(st.sampled_from([False] * 9 + [True])),
         kernel=None if sharding == "data_parallel" else draw(st.sampled_from(
             [None] * 24 + ["fused", "dense", "key_value", "fused_uvm_caching"])),
     )
@@ -287,7 +291,8 @@ def test_exact_or_refused(config: Config, directory: str) -> None:
             # order may do (an ill-conditioned update: LAMB's trust ratio on a small or partly touched
             # table, LAMB in its eps regime), four times that distance: two float32 computations that
             # round differently.
-            # A low-precision table: one unit in the last place of its dtype (its one rounding may differ).
+            # A low-precision table: one unit in the last place of its dtype (its one rounding may differ);
+            # BF16 state: what one state element rounded the other way does to the updates (run's "ulp").
             tolerance = max(TOL, 4 * out["noise"].get(table, 0.0), out.get("ulp", {}).get(table, 0.0))
             worst = max(diffs)
             assert worst <= tolerance, f"{config}, rank {rank}, {table}: {worst:.3g} from the reference (step diffs " \

@@ -1,0 +1,80 @@
+"""Optimizer state kept in low precision, opt-in per annotation (``state_dtype=``).
+
+``apply_optimizer_in_backward(Adam, params, {"lr": 1e-3}, state_dtype=torch.bfloat16)`` keeps
+each state tensor of those parameters in BF16 (or FP16) between steps: half the bytes of float32
+state. The contract, and the reference the tests build in plain torch: each step is
+``torch.optim``'s update in float32 (the stored state read in float32), and each state tensor is
+rounded to ``state_dtype`` after the step, to nearest even. Step counters (0-d tensors) keep
+their own dtype.
+
+Every update of such a parameter runs inside :func:`in_float32`, which hands the step float32
+working copies of the stored state and writes them back rounded: the per-parameter step, the
+multi-tensor update of a virtual group (the DDP hook, FSDP2 groups), and the table optimizer of
+a fallback table (which keeps its rows' state in ``state_dtype`` and reads the touched rows in
+float32). The kinds that cannot (FBGEMM's kernels on CPU, whole-shard and cross-shard tables)
+are refused by table, or do not fuse.
+
+Example:
+    >>> apply_optimizer_in_backward(torch.optim.Adam, ebc.parameters(), {"lr": 0.05}, state_dtype=torch.bfloat16)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["STATE_DTYPES", "check_state_dtype", "stored", "in_float32"]
+
+STATE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def check_state_dtype(state_dtype: object) -> torch.dtype | None:
+    """``state_dtype`` as given to ``apply_optimizer_in_backward``: None (float32 state) or one of
+    :data:`STATE_DTYPES`; float32 means None.
+
+    Raises:
+        ValueError: anything else, named.
+    """
+    if state_dtype is None or state_dtype == torch.float32:
+        return None
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(
+            f"state_dtype must be torch.bfloat16, torch.float16 or None (float32 state), got {state_dtype!r}")
+    return state_dtype
+
+
+def stored(value: Any, state_dtype: torch.dtype | None) -> Any:
+    """``value`` as a state of ``state_dtype`` keeps it: a floating tensor with dims rounded to it
+    (to nearest even); step counters and everything else as they are."""
+    if state_dtype is None or not isinstance(value, torch.Tensor) or not value.is_floating_point() or not value.dim():
+        return value
+    return value.to(state_dtype)
+
+
+def _working(value: Any) -> Any:
+    """A float32 working copy of a stored low-precision state tensor (anything else as it is)."""
+    if isinstance(value, torch.Tensor) and value.dtype in STATE_DTYPES:
+        return value.float()
+    return value
+
+
+@contextlib.contextmanager
+def in_float32(
+    states: list[dict[str, Any]], state_dtypes: list[torch.dtype | None]
+) -> Iterator[list[dict[str, Any]]]:
+    """Float32 working dicts for ``states`` (one per tensor, each kept in its ``state_dtypes``
+    entry; None: float32, the dict itself); once the body has stepped them, each is written back
+    into its stored dict, rounded (the stored dicts stay the same objects: live optimizers hold
+    them). If the body raises, nothing is written back."""
+    if all(dtype is None for dtype in state_dtypes):
+        yield states
+        return
+    work = [state if dtype is None else {k: _working(v) for k, v in state.items()}
+            for state, dtype in zip(states, state_dtypes)]
+    yield work
+    for state, stepped, dtype in zip(states, work, state_dtypes):
+        if dtype is not None:
+            state.update({k: stored(v, dtype) for k, v in stepped.items()})
