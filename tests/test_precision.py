@@ -172,3 +172,15 @@ def test_a_state_dtype_that_is_not_bf16_or_fp16_is_refused_by_name():
     with pytest.raises(ValueError, match=r"state_dtype must be torch.bfloat16, torch.float16 or None .* torch.int8"):
         apply_optimizer_in_backward(torch.optim.Adam, layer.parameters(), {"lr": 0.1}, state_dtype=torch.int8)
     assert not hasattr(layer.weight, "_optimizer_classes"), "a refused annotation changed the parameter"
+
+
+def test_fsdp_refuses_low_precision_state_on_a_step_across_shards():
+    """FSDP2's layer-wise step across shards keeps its own state: refused by name before sharding."""
+    from overlap_optim.fsdp import _check_parameters
+    from overlap_optim.spec import AnnotationGroup, describe_optimizer
+
+    weight = torch.nn.Parameter(torch.zeros(8, 4))
+    group = AnnotationGroup(describe_optimizer(torch.optim.Adafactor, {"lr": 0.01}), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"parameter 'layer.weight' .* state_dtype=torch.bfloat16.*no low-precision"):
+        _check_parameters({"layer.weight": (weight, group, None)}, custom_placement=False)
+    _check_parameters({"layer.weight": (weight, AnnotationGroup(group.spec), None)}, custom_placement=False)
