@@ -281,7 +281,8 @@ class TableKernel:
         """Bytes of optimizer state one shard of ``shard_shape`` holds (on each rank that holds it)."""
         if self.group is None:
             return 0
-        return _bytes(self.group.spec.state_shapes(tuple(shard_shape)), dtype)
+        # an annotation's state_dtype (overlap_optim.state_precision) over the state's usual dtype
+        return _bytes(self.group.spec.state_shapes(tuple(shard_shape)), self.group.state_dtype or dtype)
 
     def step_bytes(self, shard_shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> int:
         """Bytes one shard of ``shard_shape`` allocates at the peak of a step beyond its state (a

@@ -189,9 +189,17 @@ def train(rank, world_size, dtype, optimizer, sharding_type, pooled=True, steps=
         dtypes = sorted({str(v.dtype) for entry in state.values() for v in entry.values() if torch.is_tensor(v)
                          and v.dim() > 0})
         return {"ulps": worst, "step_ulps": step_worst, "moved": max(ulps(s, t) for s, t in zip(stored, init)),
-                "state": dtypes}
+                "state": dtypes, "memory": _held_and_planned(dmp)}
     finally:
         restore()
+
+
+def _held_and_planned(dmp: nn.Module) -> list[tuple[float, float]]:
+    """``describe()``'s memory column, per kernel of every rank: (bytes held, bytes planned)."""
+    units = {"B": 1, "KiB": 1024, "MiB": 1024**2}
+    rows = sharders.describe(dmp).splitlines()[2:]
+    cells = [row.strip(" |").split(" | ")[-1].split(" / ") for row in rows]
+    return [tuple(float(v.split()[0]) * units[v.split()[1]] for v in pair) for pair in cells]
 
 
 def _sharded(world_size, dtype, optimizer, sharding_type, pooled, init, state_dtype=None):

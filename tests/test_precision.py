@@ -102,6 +102,8 @@ def test_low_precision_state_is_the_update_with_each_state_tensor_rounded(ranks,
         assert max(result["ulps"]) <= ULPS, (case, result["ulps"])
         assert result["moved"] > 8, f"{case}: the reference must move ({result['moved']} ulps)"
         assert result["state"] == [dtype], (case, result["state"])
+        for held, planned in result["memory"]:  # the planner sizes weights and state by their dtypes
+            assert abs(held - planned) <= 0.01 * planned, (case, result["memory"])
 
 
 @pytest.mark.parametrize("case", list(DDP_STATE))
