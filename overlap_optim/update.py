@@ -172,12 +172,12 @@ def _step_together(members: list[torch.Tensor]) -> None:
     optimizer = group.together.get(key)
     if optimizer is None:  # the tensors stay alive while it holds them: their ids stay theirs
         optimizer = group.together[key] = group.spec.make(members)
-    stored = [_real_state(p, live_optimizer(p)) for p in members]
-    with in_float32(stored, [group.state_dtype] * len(members)) as states:
+    kept = [_real_state(p, live_optimizer(p)) for p in members]
+    with in_float32(kept, [group.state_dtype] * len(members)) as states:
         for p, state in zip(members, states):
             optimizer.state[p] = state
         group.step(optimizer)
-    for p, state in zip(members, stored):
+    for p, state in zip(members, kept):
         optimizer.state[p] = state
         p.grad = None
 
