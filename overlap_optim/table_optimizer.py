@@ -307,57 +307,82 @@ class DenseTableOptimizer(TableOptimizer):
     gradient: rows the batch did not touch get a zero gradient and are stepped
     too. Exact for any optimizer while the table is whole, and on a shard split
     along an axis the optimizer is separable by. Cost follows the shard size.
+
+    A table stored in FP16 or BF16 steps a float32 copy of the shard made for the step (its
+    state float32), rounded once into the table after it: one shard-sized float32 buffer at the
+    step's peak, none between steps.
     """
 
     semantics = "dense"
 
     def __init__(self, weight: torch.Tensor, group: AnnotationGroup, name: str = "?") -> None:
         super().__init__(weight, group, name)
-        self._optimizer = group.spec.make([weight])
+        self.math_dtype = math_dtype(weight.dtype)
+        # What the optimizer steps: the table itself, or (low precision) a tensor whose storage is the
+        # step's float32 copy, empty between steps; the optimizer's state is keyed by it.
+        self._stepped = weight if self.math_dtype == weight.dtype else weight.detach().to(self.math_dtype)
+        self._optimizer = group.spec.make([self._stepped])
+        self._release()
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """Step the whole table on the gradient that is ``grads`` at rows ``ids`` and zero elsewhere."""
-        _, self.weight.grad, _ = self.prepare(ids, grads)
+        stepped, stepped.grad, _ = self.prepare(ids, grads)
         try:
-            self.group.step(self._optimizer, self.weight)
+            self.group.step(self._optimizer, stepped)
+            self.finish(ids, stepped, {})
         finally:
-            self.weight.grad = None
+            stepped.grad = None
+            self._release()
 
     def prepare(self, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        """``(the table, its whole gradient, its torch.optim state)``, updated in place by the caller."""
+        """``(the table (low precision: its float32 copy), its whole gradient, its torch.optim state)``,
+        updated in place by the caller; :meth:`finish` writes a copy back."""
         state = self.ready()
-        return self.weight, self.whole_gradient(ids, grads), state
+        if self._stepped is not self.weight:
+            self._stepped.data = self.weight.to(self.math_dtype)
+        return self._stepped, self.whole_gradient(ids, grads), state
+
+    @torch.no_grad()
+    def finish(self, ids: torch.Tensor, stepped_tensor: torch.Tensor, stepped: dict[str, Any]) -> None:
+        if stepped_tensor is not self.weight:
+            self.weight.copy_(stepped_tensor)  # the one rounding, to nearest even
+            self._release()
+
+    def _release(self) -> None:
+        """Free the step's float32 copy (low precision)."""
+        if self._stepped is not self.weight:
+            self._stepped.data = self._stepped.new_empty(0)
 
     def ready(self) -> dict[str, Any]:
         """Check the live settings, drop a placeholder state; the torch.optim state to update in place."""
         self.group.spec.check_live(self.param_group, f"table {self.name!r}")
         self.drop_placeholder_state()
-        return self._optimizer.state[self.weight]
+        return self._optimizer.state[self._stepped]
 
     def whole_gradient(self, ids: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
-        """The shard's gradient: ``grads`` at rows ``ids``, zero elsewhere."""
-        grad = torch.zeros_like(self.weight)
+        """The shard's gradient: ``grads`` at rows ``ids``, zero elsewhere (float32 for a low-precision table)."""
+        grad = torch.zeros(self.weight.shape, dtype=self.math_dtype, device=self.weight.device)
         grad.index_copy_(0, ids, grads.to(grad.dtype))
         return grad
 
     @property
     def state(self) -> dict[str, Any]:
-        return dict(self._optimizer.state.get(self.weight, {}))
+        return dict(self._optimizer.state.get(self._stepped, {}))
 
     @torch.no_grad()
     def _make_placeholder(self) -> None:
         """A step on a zero gradient, with the weight put back."""
         kept = self.weight.clone()
         no_rows = torch.empty(0, dtype=torch.long, device=self.weight.device)
-        self.step(no_rows, self.weight.new_zeros(0, self.weight.shape[1]))
+        self.step(no_rows, self.weight.new_zeros(0, self.weight.shape[1], dtype=self.math_dtype))
         self.weight.copy_(kept)
 
     def _clear_state(self) -> None:
         self._optimizer.state.clear()
 
     def _set_state(self, state: dict[str, Any]) -> None:
-        self._optimizer.state[self.weight] = state
+        self._optimizer.state[self._stepped] = state
 
 
 def math_dtype(stored: torch.dtype) -> torch.dtype:

@@ -135,7 +135,8 @@ class DenseTable(FallbackTable):
 
     kind = KernelKind.DENSE
     semantics = "dense"
-    float32_only = "its whole-shard step has no FP16/BF16 form yet (a float32 copy of the shard each step)"
+    # The shard stepped as a float32 copy made for the step, rounded once into the table after it.
+    precisions = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
     def make_optimizer(self, weight: torch.Tensor, config: Any, context: BuildContext) -> TableOptimizer:
         return DenseTableOptimizer(weight, self.group, self.table)

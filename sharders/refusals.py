@@ -69,12 +69,13 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "low_precision_table",
-        "an FP16 or BF16 table (EmbeddingBagConfig(data_type=DataType.FP16)) that does not run in the fallback "
-        "on touched rows: data_parallel, frozen or stepped by the user's optimizer, in dense_tables, a layer-wise "
-        "optimizer, or RowWiseAdagrad on column shards",
+        "an FP16 or BF16 table (EmbeddingBagConfig(data_type=DataType.FP16)) that does not run in the fallback: "
+        "data_parallel, frozen or stepped by the user's optimizer, a layer-wise optimizer on a table split "
+        "across ranks, or RowWiseAdagrad on column shards",
         "shard",
         "the exact reference (torch.optim in float32 on the stored weights, rounded once) is built for the "
-        "lazy fallback only; data_parallel would reduce and step a gradient in the stored dtype",
+        "fallback (touched rows, or the whole shard); data_parallel would reduce and step a gradient in the "
+        "stored dtype, and the cross-shard forms have no low-precision form yet",
         "the fallback on a model-parallel sharding type (FP16 and BF16 never fuse: FBGEMM's CPU TBE rounds "
         "twice and has no BF16 kernels), or a float32 table",
         r"holds its weights in (FP16|BF16) and runs as",

@@ -37,6 +37,9 @@ for dtype_name, dtype in DTYPES.items():
         for sharding_type in SHARDING_TYPES:
             CASES[f"{dtype_name}/{optimizer}/{sharding_type}"] = partial(train, dtype=dtype, optimizer=optimizer,
                                                                       sharding_type=sharding_type)
+    # dense semantics: the whole shard stepped as a float32 copy, rounded once
+    CASES[f"{dtype_name}/adafactor/table_wise"] = partial(train, dtype=dtype, optimizer="adafactor",
+                                                          sharding_type="table_wise")
     CASES[f"{dtype_name}/adam/row_wise/ec"] = partial(train, dtype=dtype, optimizer="adam", sharding_type="row_wise",
                                                       pooled=False)
     CASES[f"{dtype_name}/sgd/table_wise/ec"] = partial(train, dtype=dtype, optimizer="sgd", sharding_type="table_wise",
@@ -64,7 +67,8 @@ MUTANTS = {
 }
 REFUSED = {
     "refused/data_parallel": partial(refused, dtype=torch.float16, optimizer="adam", sharding_type="data_parallel"),
-    "refused/adafactor": partial(refused, dtype=torch.bfloat16, optimizer="adafactor", sharding_type="table_wise"),
+    "refused/adafactor_row_wise": partial(refused, dtype=torch.bfloat16, optimizer="adafactor",
+                                          sharding_type="row_wise"),
     "refused/state_dtype_adafactor": partial(refused, dtype=torch.float32, optimizer="adafactor",
                                              sharding_type="table_wise", state_dtype=torch.bfloat16),
 }
