@@ -18,7 +18,7 @@ DEMO_ARGS ?=
 
 env: $(STAMP)
 
-$(STAMP): setup.py Makefile $(wildcard requirements/*.txt) $(wildcard overlap_optim/csrc/*.cpp)
+$(STAMP): setup.py Makefile $(wildcard requirements/*.txt) $(wildcard overlap_optim/csrc/*.cpp) $(wildcard overlap_optim/csrc/*.h)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "setting up $(VENV) (pinned stack; a satisfied package is skipped)"
 	$(PIP) install $(PINS) -r requirements/stack.txt

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -40,6 +41,19 @@ def batch(rows: int, bags: int, pooling: int, seed: int, zipf: bool = False) -> 
     return ids, torch.arange(0, bags * pooling, pooling)
 
 
+@contextlib.contextmanager
+def fbgemm_backward() -> Iterator[None]:
+    """Fused tables sharded inside the block run FBGEMM's own backward, as where the compiled
+    extension is not built (the peer that shows what ``sharders.fused_rows`` changes)."""
+    from sharders import fused_rows
+
+    kept, fused_rows._STEP = fused_rows._STEP, None
+    try:
+        yield
+    finally:
+        fused_rows._STEP = kept
+
+
 def ensure_world_of_one() -> None:
     if dist.is_initialized():
         return
@@ -49,8 +63,10 @@ def ensure_world_of_one() -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
 
 
-def sharded_step(rows: int, batches: list, optimizer: type, kwargs: dict[str, Any]) -> Callable[[], None]:
-    """A step (forward, backward, in-backward update) of a Tower sharded table_wise by our sharder."""
+def sharded_step(rows: int, batches: list, optimizer: type, kwargs: dict[str, Any],
+                 own_backward: bool = True) -> Callable[[], None]:
+    """A step (forward, backward, in-backward update) of a Tower sharded table_wise by our sharder;
+    ``own_backward=False``: a fused table runs FBGEMM's backward (:func:`fbgemm_backward`)."""
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 
@@ -65,7 +81,8 @@ def sharded_step(rows: int, batches: list, optimizer: type, kwargs: dict[str, An
         constraints={"t": ParameterConstraints(sharding_types=["table_wise"])},
     )
     plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    with contextlib.nullcontext() if own_backward else fbgemm_backward():
+        dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
     kjts = [
         KeyedJaggedTensor.from_offsets_sync(keys=["f"], values=ids, offsets=torch.cat([offs, torch.tensor([ids.numel()])]))
         for ids, offs in batches

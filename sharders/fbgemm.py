@@ -47,6 +47,7 @@ from torch import nn
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from overlap_optim.spec import AnnotationGroup, describe_optimizer, needs_closure
+from sharders import fused_rows
 from sharders.fused_backward import HeldBackward
 from sharders.kernels import BuildContext, KernelChoice, KernelKind, LocalShard, TableKernel
 
@@ -180,7 +181,8 @@ class FusedTable(TableKernel):
     def adopt(cls, kernel: nn.Module, tables: list[TableKernel], context: BuildContext) -> None:
         names = [t.table for t in tables]
         fused = _FusedKernel(kernel, names, tables[0].group, context.device_type)
-        HeldBackward(kernel.emb_module, names, tables[0].clip, context.sharded, fused.count)
+        compiled = fused_rows.CompiledBackward(kernel.emb_module) if tables[0].compiled_backward() else None
+        HeldBackward(kernel.emb_module, names, tables[0].clip, context.sharded, fused.count, compiled)
         for index, (table, config) in enumerate(zip(tables, kernel.config.embedding_tables)):
             table.shards.append(LocalShard(config.local_metadata, FusedShardState(fused, index, table.state_layout())))
 
@@ -207,8 +209,13 @@ class FusedTable(TableKernel):
         rows, cols = shard_shape
         return sum(rows * (1 if layout == "row" else cols) * 4 for layout in self.state_layout().values())
 
+    def compiled_backward(self) -> bool:
+        """Whether the backward runs in our compiled pass (:mod:`sharders.fused_rows`), not FBGEMM's."""
+        return fused_rows.applies(self.decision.choice.fbgemm_kwargs["optimizer"], self.decision.device_type)
+
     def runs_as(self) -> str:
-        return f"fused {self.decision.choice.fbgemm_kwargs['optimizer'].name}"
+        name = self.decision.choice.fbgemm_kwargs["optimizer"].name
+        return f"fused {name}" + (", compiled backward" if self.compiled_backward() else "")
 
     def why_not_fused(self) -> str:
         return ""

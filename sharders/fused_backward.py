@@ -41,6 +41,7 @@ from overlap_optim.clipping import GradientClipping
 from overlap_optim.gradient_path import take
 from overlap_optim.record import module_record, module_record_of
 from sharders.fused_clipping import row_partial_norm
+from sharders.fused_rows import CompiledBackward
 from sharders.pooling import Lookup, concatenate_lookups
 
 __all__ = ["HeldBackward", "held_backward_of"]
@@ -57,7 +58,9 @@ class HeldBackward:
     Args:
         clip: the clipping set of the kernel's tables (by norm), or None.
         owner: the sharded module, whose model's ``no_step`` window holds the updates back.
-        on_update: called after each update FBGEMM ran.
+        on_update: called after each update ran.
+        compiled: the kernel's backward in our compiled pass (:mod:`sharders.fused_rows`), or None:
+            FBGEMM's own backward runs.
     """
 
     def __init__(
@@ -67,10 +70,11 @@ class HeldBackward:
         clip: GradientClipping | None,
         owner: nn.Module,
         on_update: Callable[[], None],
+        compiled: CompiledBackward | None = None,
     ) -> None:
         assert clip is None or clip.by_norm, "clipping by value runs in the fallback"
         self.emb, self.tables, self.clip, self.owner = emb, tables, clip, owner
-        self.on_update = on_update
+        self.on_update, self.compiled = on_update, compiled
         self.pending: list[tuple[Lookup, torch.Tensor]] = []  # the open window's micro-batches
         self._signature = inspect.signature(emb.forward)
         self._anchor = torch.zeros(0, requires_grad=True)  # makes the output require grad, gets none
@@ -107,10 +111,19 @@ class HeldBackward:
             window, self.pending = [*self.pending, (lookup, grad)], []
             lookup, grad = concatenate_lookups(window, len(self.emb.feature_table_map), self.emb.pooling_mode)
             replay = lookup
-        norm = None if self.clip is None else functools.partial(
-            row_partial_norm, self.emb, grad, *lookup, self.clip.norm_type)
-        take(functools.partial(self._update, output, replay, grad), clip=self.clip, held=held,
-             keep=functools.partial(self.pending.append, (lookup, grad)), norm=norm)
+        if self.compiled is not None:  # our pass: no lookup to replay, the window's ids are its input
+            norm = None if self.clip is None else functools.partial(
+                self.compiled.partial_norm, lookup, grad, self.clip.norm_type)
+            step = functools.partial(self._update_compiled, lookup, grad)
+        else:
+            norm = None if self.clip is None else functools.partial(
+                row_partial_norm, self.emb, grad, *lookup, self.clip.norm_type)
+            step = functools.partial(self._update, output, replay, grad)
+        take(step, clip=self.clip, held=held, keep=functools.partial(self.pending.append, (lookup, grad)), norm=norm)
+
+    def _update_compiled(self, lookup: Lookup, grad: torch.Tensor) -> None:
+        self.compiled.step(lookup, grad, None if self.clip is None else self.clip.coefficient)
+        self.on_update()
 
     def _update(self, output: torch.Tensor, replay: Lookup | None, grad: torch.Tensor) -> None:
         if self.clip is not None:

@@ -13,9 +13,11 @@ import copy
 
 import torch
 import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 import overlap_optim
 import sharders
+import sharders.fused_rows
 from _models import ManyTableModel, concat_batches, covering_batch, loss_of
 from _sharded_parity import compare, local_pieces, shard_like_reference
 
@@ -98,7 +100,8 @@ def clipped_training(rank, world_size, over, how, norm_type=2.0, steps=3, cover=
     weights and the norm compared with the reference after every step.
 
     ``mutate``: break the implementation on purpose ("no_all_reduce": each rank's norm from its
-    own shards only; "replicated_twice": DDP-averaged gradients counted on every rank) and return
+    own shards only; "replicated_twice": DDP-averaged gradients counted on every rank;
+    "drop_shard_partial": rank 1's fused shards leave their partial out of the norm) and return
     the largest differences instead of asserting them.
     """
     lazy_adam = not cover
@@ -111,6 +114,11 @@ def clipped_training(rank, world_size, over, how, norm_type=2.0, steps=3, cover=
         clip.round.local = True
     if mutate == "replicated_twice":
         clip._counts_on_this_rank = lambda replicated: True
+    if mutate == "drop_shard_partial":  # the fused tables' shards on rank 1 add nothing
+        if not sharders.fused_rows.applies(EmbOptimType.EXACT_SGD, "cpu"):
+            return {"not_built": True}
+        if rank == 1:
+            _drop_fused_partials(dmp)
     ours_user = torch.optim.SGD([p for n, p in dmp.named_parameters() if n.startswith("dense.2.")], lr=0.1)
     ref_user = torch.optim.SGD(reference.dense[2].parameters(), lr=0.1)
     start = {n: p.detach().clone() for n, p in reference.named_parameters()}
@@ -138,6 +146,23 @@ def clipped_training(rank, world_size, over, how, norm_type=2.0, steps=3, cover=
     moved = {n: (p.detach() - start[n]).abs().max().item() for n, p in reference.named_parameters()}
     return {"moved": moved, "norms": norms, "bound": bound, "kinds": kinds,
             "worst_norm": worst_norm, "worst_weight": worst_weight}
+
+
+def _drop_fused_partials(dmp):
+    """Each fused kernel of this rank hands the round a zero partial norm (its rows still step)."""
+    from sharders._private import kernels_of
+    from sharders.fused_backward import held_backward_of
+
+    for _lookup, kernel in kernels_of(dmp.module.ebc):
+        held = held_backward_of(getattr(kernel, "emb_module", None) or kernel)
+        if held is None:
+            continue
+        partial_norm = held.compiled.partial_norm
+
+        def dropped(*args, _partial_norm=partial_norm, **kwargs):
+            return torch.zeros_like(_partial_norm(*args, **kwargs))
+
+        held.compiled.partial_norm = dropped
 
 
 def _largest_difference(dmp, reference):

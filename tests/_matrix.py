@@ -23,6 +23,7 @@ parent (``tests/test_promise_matrix.py``) says which refusals the docs list
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -41,6 +42,8 @@ from torchrec import (
     DataType, EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor,
     PoolingType,
 )
+
+from _models import without_compiled_operators
 
 DIM = 8  # two column shards of 4 (min_partition) on column splits
 BATCH = 4  # samples per rank and micro-batch
@@ -144,6 +147,9 @@ class Config:
     # indices (VBE), under EmbeddingBagCollectionSharder(variable_batch=True); the reference sees the
     # expanded batch
     vbe: bool = False
+    # the compiled operators (overlap_optim/csrc) as built; False: as where they were not (every caller's
+    # pure-torch path, FBGEMM's own backward for fused tables)
+    compiled: bool = True
     steps: int = 3
     seed: int = 0
 
@@ -714,6 +720,12 @@ def _unchanged(before: dict[str, Any], model: nn.Module) -> bool:
 
 
 def run(rank: int, world_size: int, config: Config, directory: str, resume: bool = False) -> dict[str, Any]:
+    """:func:`train`, with the compiled operators or, for ``config.compiled=False``, without them."""
+    with contextlib.nullcontext() if config.compiled else without_compiled_operators():
+        return train(rank, world_size, config, directory, resume)
+
+
+def train(rank: int, world_size: int, config: Config, directory: str, resume: bool = False) -> dict[str, Any]:
     """Train ``config`` sharded and as the reference, side by side; compare after every step.
 
     Returns ``{"outcome": "exact", "diffs": {table or "dense": [max diff per step]}, "moved":

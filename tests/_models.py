@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
@@ -201,3 +204,23 @@ class MixedModel(nn.Module):
         sequences = self.ec(KeyedJaggedTensor.from_jt_dict({f"f_{n}": kjt[f"f_{n}"] for n in seq_names}))
         parts = {**{n: pooled[f"f_{n}"] for n in bag_names}, **{n: position_weighted(sequences[f"f_{n}"]) for n in seq_names}}
         return self.dense(torch.cat([parts[n] for n in self.names], dim=1)).squeeze(1)
+
+
+@contextlib.contextmanager
+def without_compiled_operators() -> Iterator[None]:
+    """As where the compiled extension (overlap_optim/csrc) was not built: every caller takes its
+    pure-torch path, fused tables FBGEMM's own backward. For models built inside the block."""
+    import overlap_optim.row_pass
+    import overlap_optim.virtual_groups
+    import sharders.fused_rows
+
+    names = [(overlap_optim.row_pass, "_ADAM_ROWS"), (overlap_optim.virtual_groups, "_ADD_ONE"),
+             (sharders.fused_rows, "_STEP"), (sharders.fused_rows, "_COALESCE"), (sharders.fused_rows, "_APPLY")]
+    kept = [getattr(module, name) for module, name in names]
+    for module, name in names:
+        setattr(module, name, None)
+    try:
+        yield
+    finally:
+        for (module, name), value in zip(names, kept):
+            setattr(module, name, value)

@@ -1,4 +1,5 @@
-"""FBGEMM's backward held back (``sharders.fused_backward``), on FBGEMM's TBE itself, in one process.
+"""FBGEMM's backward held back (``sharders.fused_backward``), on FBGEMM's TBE itself, in one process;
+the same with our compiled backward (``sharders.fused_rows``) in its place.
 
 A window of micro-batches (the ``no_step`` window open for all but the last) must equal one
 ``torch.optim`` step on the summed gradient of copies of the tables, rows touched by several
@@ -14,14 +15,16 @@ import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 from overlap_optim import apply_gradient_clipping
+from sharders import fused_rows
 from sharders.fused_backward import HeldBackward
 from overlap_optim.accumulation import window_of
 from test_fused_clipping import _batch, _reference_lookup, _tbe
 
 
+@pytest.mark.parametrize("backward", ["fbgemm", "compiled"])
 @pytest.mark.parametrize("clipped", [False, True])
 @pytest.mark.parametrize("k", [1, 3])
-def test_a_window_is_one_update_on_the_summed_gradient(k, clipped):
+def test_a_window_is_one_update_on_the_summed_gradient(k, clipped, backward):
     dims, ftm = [8, 4], [0, 1, 1]
     emb = _tbe(dims, ftm, optimizer=EmbOptimType.EXACT_ADAGRAD)
     tables = [w.detach().clone().requires_grad_() for w in emb.split_embedding_weights()]
@@ -38,7 +41,10 @@ def test_a_window_is_one_update_on_the_summed_gradient(k, clipped):
         bound = 0.3 * torch.nn.utils.get_total_norm([t.grad for t in probe]).item()
         clip = apply_gradient_clipping([torch.zeros(1, requires_grad=True)], max_norm=bound)
     held, updates = window_of(emb), []  # the TBE stands for the sharded module that owns it
-    HeldBackward(emb, ["t0", "t1"], clip, emb, lambda: updates.append(1))
+    if backward == "compiled" and not fused_rows.applies(EmbOptimType.EXACT_ADAGRAD, "cpu"):
+        pytest.skip("the compiled extension is not built here (no C++ compiler at install)")
+    compiled = fused_rows.CompiledBackward(emb) if backward == "compiled" else None
+    HeldBackward(emb, ["t0", "t1"], clip, emb, lambda: updates.append(1), compiled)
     for w, window in enumerate(windows):
         for m, (indices, offsets, weights) in enumerate(window):
             held.open = m < k - 1

@@ -132,6 +132,7 @@ def configs(draw) -> Config:
                                          "dcp_other_plan", "state_dict_other_plan"])),
         meta=draw(st.sampled_from([None] * 12 + ["dmp", "materialize", "to_empty"])), seed=draw(st.integers(0, 1000)),
         vbe="ec" not in collections and draw(st.sampled_from([False] * 4 + [True])),
+        compiled=draw(st.sampled_from([True] * 3 + [False])),
     )
 
 
@@ -144,6 +145,14 @@ def directory():
 
 
 @given(config=configs())
+# Fused tables, clipped by norm across row and column shards in a window: our compiled backward
+# (issue 42) and FBGEMM's own, where the extension is not built.
+@example(config=Config((T("t0", "ebc", 11, "row_wise", "adagrad", shared=True), T("t1", "ebc", 9, "column_wise", "sgd"),
+                        T("s0", "ec", 7, "row_wise", "rowwise_adagrad")), weighted=True, cover=False,
+                       clip=("norm", "tables"), micro=2, checkpoint="other_plan"))
+@example(config=Config((T("t0", "ebc", 11, "row_wise", "adagrad", mean=True), T("t1", "ebc", 9, "column_wise", "sgd"),
+                        T("s0", "ec", 7, "row_wise", "rowwise_adagrad")), cover=False,
+                       clip=("norm", "everything"), micro=2, compiled=False))
 # Regressions: each failed on the main of 2026-11-26 (issue 38).
 # The keyed optimizer could not load its own state dict beside a plain-SGD table (fused, EBC and EC).
 @example(config=Config((T("t0", "ebc", 7, "row_wise", "sgd"), T("t1", "ebc", 9, "table_wise", "adam")),

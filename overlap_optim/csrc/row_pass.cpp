@@ -18,29 +18,13 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "rows.h"
+
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
 namespace {
-
-// Positions 0..n-1 ordered by ids[position], stable (equal ids keep their order): an LSD radix
-// sort, 8 bits a pass, over as many bits as the largest id needs.
-std::vector<int64_t> positions_by_id(const int64_t* ids, int64_t n, int64_t rows) {
-  std::vector<int64_t> order(n), next(n);
-  for (int64_t p = 0; p < n; ++p) {
-    TORCH_CHECK(ids[p] >= 0 && ids[p] < rows, "adam_rows_: id ", ids[p], " out of range for ", rows, " rows");
-    order[p] = p;
-  }
-  for (int shift = 0; shift < 64 && (rows - 1) >> shift; shift += 8) {
-    int64_t count[257] = {0};
-    for (int64_t p = 0; p < n; ++p) ++count[((ids[p] >> shift) & 0xff) + 1];
-    for (int b = 0; b < 256; ++b) count[b + 1] += count[b];
-    for (int64_t k = 0; k < n; ++k) next[count[(ids[order[k]] >> shift) & 0xff]++] = order[k];
-    order.swap(next);
-  }
-  return order;
-}
 
 void check_table(const at::Tensor& t, const at::Tensor& weight, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
@@ -110,12 +94,8 @@ void adam_rows_(const at::Tensor& weight, const at::Tensor& exp_avg, const at::T
   if (n == 0) return;
 
   const int64_t* id = ids.data_ptr<int64_t>();
-  const std::vector<int64_t> order = positions_by_id(id, n, rows);
-  std::vector<int64_t> starts;  // where each distinct id's run of positions starts in `order`
-  starts.reserve(n + 1);
-  for (int64_t k = 0; k < n; ++k)
-    if (k == 0 || id[order[k]] != id[order[k - 1]]) starts.push_back(k);
-  starts.push_back(n);
+  const std::vector<int64_t> order = overlap_optim::positions_by_key(id, n, rows, "adam_rows_");
+  const std::vector<int64_t> starts = overlap_optim::run_starts(id, order);  // each distinct id's run
   const int64_t touched = static_cast<int64_t>(starts.size()) - 1;
 
   float* W = weight.data_ptr<float>();

@@ -1,0 +1,358 @@
+
+// The backward of an FBGEMM TBE whose optimizer FBGEMM fuses on CPU (EXACT_SGD, EXACT_ADAGRAD,
+// EXACT_ROWWISE_ADAGRAD), in one pass over the touched rows, from the lookup's output gradient.
+//
+// FBGEMM's CPU backward sorts the ids, forms each touched row's gradient and applies the update.
+// This does the same work in one pass: the ids of all the kernel's tables are sorted once (one
+// radix sort over the kernel's row space), and each touched row's gradient is summed from the
+// output gradient's rows (per-sample weights and mean pooling applied), then the row is stepped
+// and written back in place. The arithmetic of the update is torch.optim's (torchrec's
+// RowWiseAdagrad for the row-wise kind), in float32, operation for operation:
+//
+//   SGD:              w = w + (-lr) * g
+//   Adagrad:          s = s + g * g;            w = w + (-lr) * (g / (sqrt(s) + eps))
+//   row-wise Adagrad: s = s + sum(g * g) / D;   w = w + (-lr) * (g / (sqrt(s) + eps))
+//
+// Clipping by norm splits the pass in two (fused_rows_coalesce, then fused_rows_apply_): the first
+// sums each touched row and adds its |g|^p (max |g| for p = inf) to a float64 partial, keeping
+// only the summed rows; the second multiplies them by the clipping coefficient and steps them.
+//
+// Deterministic for any number of threads: a row's gradients are summed by one thread in the
+// order of the ids, and the partial norm is summed over fixed chunks of rows, then over the
+// chunks in order.
+//
+// Registered as torch operators overlap_optim::fused_rows_step_, fused_rows_coalesce and
+// fused_rows_apply_ (overlap_optim/compiled.py loads the library); called by
+// sharders/fused_rows.py.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#include "rows.h"
+
+namespace {
+
+enum Optimizer : int64_t { kSgd = 0, kAdagrad = 1, kRowwiseAdagrad = 2 };
+enum Pooling : int64_t { kSum = 0, kMean = 1, kNone = 2 };
+
+constexpr int64_t kChunk = 64;  // rows per task, and per partial of the norm (fixed: determinism)
+// Rows prefetched ahead: a touched row is rarely in cache (measured: 16-32 best of 0-64, dim 64, one thread).
+constexpr int64_t kAhead = 16;
+
+// One table of the kernel: its weight (rows x dim), and its state (rows x dim, rows, or none).
+struct Table {
+  float* weight;
+  float* state;
+  int64_t rows, dim;
+};
+
+std::vector<Table> tables_of(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& states,
+                             int64_t optimizer, const char* op) {
+  TORCH_CHECK(optimizer == kSgd || optimizer == kAdagrad || optimizer == kRowwiseAdagrad, op, ": optimizer ",
+              optimizer, " is not one of SGD (0), Adagrad (1), row-wise Adagrad (2)");
+  TORCH_CHECK(optimizer == kSgd ? states.empty() : states.size() == weights.size(), op,
+              ": one state tensor per table, none for SGD");
+  std::vector<Table> tables;
+  for (size_t t = 0; t < weights.size(); ++t) {
+    const at::Tensor& w = weights[t];
+    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.is_contiguous() && w.dim() == 2, op,
+                ": table ", t, "'s weight must be a contiguous 2-D float32 CPU tensor");
+    float* state = nullptr;
+    if (optimizer != kSgd) {
+      const at::Tensor& s = states[t];
+      const bool shaped = optimizer == kAdagrad ? s.sizes() == w.sizes() : (s.dim() == 1 && s.size(0) == w.size(0));
+      TORCH_CHECK(s.device().is_cpu() && s.scalar_type() == at::kFloat && s.is_contiguous() && shaped, op,
+                  ": table ", t, "'s state must be a contiguous float32 CPU tensor, shaped as the weight (Adagrad) "
+                  "or one value per row (row-wise Adagrad)");
+      state = s.data_ptr<float>();
+    }
+    tables.push_back({w.data_ptr<float>(), state, w.size(0), w.size(1)});
+  }
+  return tables;
+}
+
+// A lookup's ids grouped by (table, row): its entries sorted by key, and the runs of each row.
+struct Lookup {
+  std::vector<overlap_optim::Entry> entries;  // sorted by key, stable
+  std::vector<int64_t> starts;                // runs of equal keys in `entries`, then n
+  std::vector<int64_t> base;                  // each table's first key
+  const float* grad;
+  bool scaled;                                // some scale is not 1
+
+  int32_t table(int64_t u) const { return entries[starts[u]].table; }
+  int64_t row(int64_t u) const { return entries[starts[u]].key - base[entries[starts[u]].table]; }
+};
+
+Lookup group_ids(const at::Tensor& grad, const at::Tensor& indices, const at::Tensor& offsets,
+                 const std::optional<at::Tensor>& per_sample_weights, int64_t pooling,
+                 const std::vector<int64_t>& feature_table, const std::vector<int64_t>& feature_offset,
+                 const std::vector<int64_t>& rows, const std::vector<int64_t>& dims, const char* op) {
+  TORCH_CHECK(pooling == kSum || pooling == kMean || pooling == kNone, op, ": pooling ", pooling,
+              " is not one of SUM (0), MEAN (1), NONE (2)");
+  TORCH_CHECK(indices.device().is_cpu() && indices.scalar_type() == at::kLong && indices.dim() == 1 &&
+                  indices.is_contiguous(), op, ": indices must be a contiguous 1-D int64 CPU tensor");
+  TORCH_CHECK(offsets.device().is_cpu() && offsets.scalar_type() == at::kLong && offsets.dim() == 1 &&
+                  offsets.is_contiguous() && offsets.numel() >= 1, op,
+              ": offsets must be a contiguous 1-D int64 CPU tensor");
+  TORCH_CHECK(grad.device().is_cpu() && grad.scalar_type() == at::kFloat && grad.is_contiguous() && grad.dim() == 2,
+              op, ": the output gradient must be a contiguous 2-D float32 CPU tensor");
+  const int64_t features = static_cast<int64_t>(feature_table.size());
+  TORCH_CHECK(features > 0 && feature_offset.size() == feature_table.size(), op,
+              ": one table and one column offset per feature");
+  const int64_t n = indices.numel(), bags = offsets.numel() - 1;
+  TORCH_CHECK(bags % features == 0, op, ": ", bags, " bags are not a whole batch for ", features, " features");
+  const int64_t batch = bags / features;
+  const int64_t* id = indices.data_ptr<int64_t>();
+  const int64_t* offset = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(offset[0] == 0 && offset[bags] == n, op, ": offsets must run from 0 to the number of ids");
+  const bool weighted = per_sample_weights.has_value();
+  if (weighted) {
+    TORCH_CHECK(per_sample_weights->device().is_cpu() && per_sample_weights->scalar_type() == at::kFloat &&
+                    per_sample_weights->is_contiguous() && per_sample_weights->numel() == n, op,
+                ": per-sample weights must be a contiguous float32 CPU tensor, one per id");
+  }
+  TORCH_CHECK(grad.size(0) == (pooling == kNone ? n : batch), op,
+              ": the output gradient must have one row per id (unpooled) or per sample (pooled)");
+
+  Lookup l;
+  l.grad = grad.data_ptr<float>();
+  l.scaled = weighted || pooling == kMean;
+  l.base.assign(rows.size() + 1, 0);
+  for (size_t t = 0; t < rows.size(); ++t) l.base[t + 1] = l.base[t] + rows[t];
+  l.entries.resize(n);
+  const float* psw = weighted ? per_sample_weights->data_ptr<float>() : nullptr;
+  const int64_t width = grad.size(1);
+  for (int64_t b = 0; b < bags; ++b) {
+    const int64_t f = b / batch, t = feature_table[f];
+    TORCH_CHECK(t >= 0 && t < static_cast<int64_t>(rows.size()), op, ": feature ", f, " names no table");
+    TORCH_CHECK(pooling == kNone ? dims[t] == width : feature_offset[f] + dims[t] <= width, op,
+                ": feature ", f, "'s columns lie outside the output gradient");
+    const int64_t begin = offset[b], end = offset[b + 1];
+    TORCH_CHECK(begin <= end, op, ": offsets must not decrease");
+    const float mean = pooling == kMean && end > begin ? 1.0f / static_cast<float>(end - begin) : 1.0f;
+    const int64_t bag_source = (b % batch) * width + feature_offset[f];
+    for (int64_t p = begin; p < end; ++p) {
+      TORCH_CHECK(id[p] >= 0 && id[p] < rows[t], op, ": id ", id[p], " out of range for table ", t, "'s ",
+                  rows[t], " rows");
+      l.entries[p] = {l.base[t] + id[p], pooling == kNone ? p * width : bag_source, weighted ? psw[p] * mean : mean,
+                      static_cast<int32_t>(t)};
+    }
+  }
+  overlap_optim::sort_entries(l.entries, std::max<int64_t>(l.base.back(), 1));
+  l.starts.reserve(n + 1);
+  for (int64_t k = 0; k < n; ++k)
+    if (k == 0 || l.entries[k].key != l.entries[k - 1].key) l.starts.push_back(k);
+  l.starts.push_back(n);
+  return l;
+}
+
+// g = the sum of run u's gradients, in the order of the ids.
+__attribute__((target_clones("avx2", "default")))
+void sum_run(float* g, const Lookup& l, int64_t u, int64_t dim) {
+  for (int64_t j = 0; j < dim; ++j) g[j] = 0.0f;
+  for (int64_t k = l.starts[u]; k < l.starts[u + 1]; ++k) {
+    const overlap_optim::Entry& e = l.entries[k];
+    const float* src = l.grad + e.source;
+    if (!l.scaled) {
+      for (int64_t j = 0; j < dim; ++j) g[j] += src[j];
+    } else {
+      const float s = e.scale;
+      for (int64_t j = 0; j < dim; ++j) g[j] += s * src[j];
+    }
+  }
+}
+
+// One row's update, torch.optim's arithmetic in its order (see the file's head).
+__attribute__((target_clones("avx2", "default")))
+void step_row(const Table& t, int64_t row, const float* g, int64_t optimizer, float minus_lr, float eps) {
+  float* w = t.weight + row * t.dim;
+  const int64_t dim = t.dim;
+  if (optimizer == kSgd) {
+    for (int64_t j = 0; j < dim; ++j) w[j] = w[j] + minus_lr * g[j];
+  } else if (optimizer == kAdagrad) {
+    float* s = t.state + row * dim;
+    for (int64_t j = 0; j < dim; ++j) s[j] = s[j] + g[j] * g[j];
+    for (int64_t j = 0; j < dim; ++j) w[j] = w[j] + minus_lr * (g[j] / (std::sqrt(s[j]) + eps));
+  } else {
+    float squares = 0.0f;
+    for (int64_t j = 0; j < dim; ++j) squares += g[j] * g[j];
+    float& s = t.state[row];
+    s = s + squares / static_cast<float>(dim);
+    const float denominator = std::sqrt(s) + eps;
+    for (int64_t j = 0; j < dim; ++j) w[j] = w[j] + minus_lr * (g[j] / denominator);
+  }
+}
+
+// Every cache line of a row (and of its Adagrad state): a touched row is rarely in cache.
+void prefetch_row(const Table& t, int64_t row, int64_t optimizer) {
+  const char* w = reinterpret_cast<const char*>(t.weight + row * t.dim);
+  const int64_t bytes = t.dim * static_cast<int64_t>(sizeof(float));
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(w + b, 1);
+  if (optimizer == kAdagrad) {
+    const char* s = reinterpret_cast<const char*>(t.state + row * t.dim);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(s + b, 1);
+  } else if (optimizer == kRowwiseAdagrad) {
+    __builtin_prefetch(t.state + row, 1);
+  }
+}
+
+int64_t max_dim(const std::vector<int64_t>& dims) {
+  int64_t most = 1;
+  for (int64_t d : dims) most = std::max(most, d);
+  return most;
+}
+
+std::vector<int64_t> table_rows(const std::vector<Table>& tables) {
+  std::vector<int64_t> rows;
+  for (const Table& t : tables) rows.push_back(t.rows);
+  return rows;
+}
+
+std::vector<int64_t> table_dims(const std::vector<Table>& tables) {
+  std::vector<int64_t> dims;
+  for (const Table& t : tables) dims.push_back(t.dim);
+  return dims;
+}
+
+// The whole backward in one pass: each touched row summed and stepped.
+void fused_rows_step_(const at::Tensor& grad, const at::Tensor& indices, const at::Tensor& offsets,
+                      const std::optional<at::Tensor>& per_sample_weights, int64_t pooling,
+                      std::vector<int64_t> feature_table, std::vector<int64_t> feature_offset,
+                      const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& states,
+                      int64_t optimizer, double lr, double eps) {
+  const char* op = "fused_rows_step_";
+  const std::vector<Table> tables = tables_of(weights, states, optimizer, op);
+  const std::vector<int64_t> dims = table_dims(tables);
+  const Lookup l = group_ids(grad, indices, offsets, per_sample_weights, pooling, feature_table, feature_offset,
+                             table_rows(tables), dims, op);
+  const int64_t runs = static_cast<int64_t>(l.starts.size()) - 1, width = max_dim(dims);
+  const float minus_lr = static_cast<float>(-lr), epsilon = static_cast<float>(eps);
+  at::parallel_for(0, runs, kChunk, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(width);
+    for (int64_t u = begin; u < end; ++u) {
+      if (u + kAhead < end) prefetch_row(tables[l.table(u + kAhead)], l.row(u + kAhead), optimizer);
+      const Table& t = tables[l.table(u)];
+      sum_run(buffer.data(), l, u, t.dim);
+      step_row(t, l.row(u), buffer.data(), optimizer, minus_lr, epsilon);
+    }
+  });
+}
+
+// The first half under clipping by norm: [partial, then per table its touched ids (ascending) and
+// their summed gradients]. The partial is float64: sum |g|^p over the touched rows' elements, or
+// max |g| for norm_type = inf.
+std::vector<at::Tensor> fused_rows_coalesce(const at::Tensor& grad, const at::Tensor& indices,
+                                            const at::Tensor& offsets,
+                                            const std::optional<at::Tensor>& per_sample_weights, int64_t pooling,
+                                            std::vector<int64_t> feature_table, std::vector<int64_t> feature_offset,
+                                            std::vector<int64_t> rows, std::vector<int64_t> dims, double norm_type) {
+  const char* op = "fused_rows_coalesce";
+  TORCH_CHECK(rows.size() == dims.size() && !rows.empty(), op, ": one row count and one dimension per table");
+  TORCH_CHECK(norm_type > 0, op, ": norm_type must be positive, got ", norm_type);
+  const Lookup l = group_ids(grad, indices, offsets, per_sample_weights, pooling, feature_table, feature_offset,
+                             rows, dims, op);
+  const int64_t runs = static_cast<int64_t>(l.starts.size()) - 1, tables = static_cast<int64_t>(rows.size());
+  std::vector<int64_t> first(tables + 1, 0);  // each table's first run (runs are in table order)
+  for (int64_t u = 0; u < runs; ++u) ++first[l.table(u) + 1];
+  for (int64_t t = 0; t < tables; ++t) first[t + 1] += first[t];
+  std::vector<at::Tensor> out;
+  at::Tensor partial = at::zeros({1}, at::TensorOptions().dtype(at::kDouble));
+  out.push_back(partial);
+  std::vector<int64_t*> ids(tables);
+  std::vector<float*> sums(tables);
+  for (int64_t t = 0; t < tables; ++t) {
+    at::Tensor i = at::empty({first[t + 1] - first[t]}, at::TensorOptions().dtype(at::kLong));
+    at::Tensor s = at::empty({first[t + 1] - first[t], dims[t]}, at::TensorOptions().dtype(at::kFloat));
+    ids[t] = i.data_ptr<int64_t>();
+    sums[t] = s.data_ptr<float>();
+    out.push_back(i);
+    out.push_back(s);
+  }
+  const bool inf = std::isinf(norm_type), square = norm_type == 2.0;
+  const int64_t chunks = (runs + kChunk - 1) / kChunk;
+  std::vector<double> partials(chunks, 0.0);
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      double total = 0.0;
+      for (int64_t u = c * kChunk; u < std::min(runs, (c + 1) * kChunk); ++u) {
+        const int64_t t = l.table(u), local = u - first[t];
+        float* g = sums[t] + local * dims[t];
+        ids[t][local] = l.row(u);
+        sum_run(g, l, u, dims[t]);
+        for (int64_t j = 0; j < dims[t]; ++j) {
+          const double a = std::fabs(static_cast<double>(g[j]));
+          total = inf ? std::max(total, a) : total + (square ? a * a : std::pow(a, norm_type));
+        }
+      }
+      partials[c] = total;
+    }
+  });
+  double total = 0.0;
+  for (double part : partials) total = inf ? std::max(total, part) : total + part;
+  *partial.data_ptr<double>() = total;
+  return out;
+}
+
+// The second half: the summed rows times `coefficient`, stepped.
+void fused_rows_apply_(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& states,
+                       const std::vector<at::Tensor>& ids, const std::vector<at::Tensor>& summed, int64_t optimizer,
+                       double lr, double eps, double coefficient) {
+  const char* op = "fused_rows_apply_";
+  const std::vector<Table> tables = tables_of(weights, states, optimizer, op);
+  TORCH_CHECK(ids.size() == tables.size() && summed.size() == tables.size(), op,
+              ": one id tensor and one gradient tensor per table");
+  const float minus_lr = static_cast<float>(-lr), epsilon = static_cast<float>(eps);
+  const float coef = static_cast<float>(coefficient);
+  for (size_t k = 0; k < tables.size(); ++k) {
+    const Table& t = tables[k];
+    const int64_t count = ids[k].numel();
+    TORCH_CHECK(ids[k].scalar_type() == at::kLong && ids[k].is_contiguous() && summed[k].scalar_type() == at::kFloat &&
+                    summed[k].is_contiguous() && summed[k].numel() == count * t.dim, op,
+                ": table ", k, "'s ids and summed gradients are not as fused_rows_coalesce made them");
+    const int64_t* id = ids[k].data_ptr<int64_t>();
+    float* g = summed[k].data_ptr<float>();
+    for (int64_t u = 0; u < count; ++u) {
+      TORCH_CHECK(id[u] >= 0 && id[u] < t.rows, op, ": id ", id[u], " out of range for table ", k);
+    }
+    at::parallel_for(0, count, kChunk, [&](int64_t begin, int64_t end) {
+      for (int64_t u = begin; u < end; ++u) {
+        if (u + kAhead < end) prefetch_row(t, id[u + kAhead], optimizer);
+        float* row = g + u * t.dim;
+        for (int64_t j = 0; j < t.dim; ++j) row[j] = row[j] * coef;
+        step_row(t, id[u], row, optimizer, minus_lr, epsilon);
+      }
+    });
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(overlap_optim, m) {
+  m.def(
+      "fused_rows_step_(Tensor grad, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, "
+      "int[] feature_table, int[] feature_offset, Tensor(a!)[] weights, Tensor(b!)[] states, int optimizer, "
+      "float lr, float eps) -> ()");
+  m.def(
+      "fused_rows_coalesce(Tensor grad, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, "
+      "int[] feature_table, int[] feature_offset, int[] rows, int[] dims, float norm_type) -> Tensor[]");
+  m.def(
+      "fused_rows_apply_(Tensor(a!)[] weights, Tensor(b!)[] states, Tensor[] ids, Tensor(c!)[] summed, "
+      "int optimizer, float lr, float eps, float coefficient) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(overlap_optim, CPU, m) {
+  m.impl("fused_rows_step_", &fused_rows_step_);
+  m.impl("fused_rows_coalesce", &fused_rows_coalesce);
+  m.impl("fused_rows_apply_", &fused_rows_apply_);
+}

@@ -1,0 +1,112 @@
+"""A fused table's backward on CPU in our compiled pass; FBGEMM keeps the lookup.
+
+FBGEMM's CPU TBE runs the forward (the lookup) well, and its backward slowly: the
+sort of the ids, each touched row's summed gradient and the update are its slowest
+part of a fused step. For the optimizers FBGEMM fuses on CPU (EXACT_SGD,
+EXACT_ADAGRAD, EXACT_ROWWISE_ADAGRAD, the ones :data:`sharders.fbgemm.RULES`
+picks), the compiled operators of ``overlap_optim/csrc/fused_rows.cpp`` do the
+same backward in one pass over the touched rows, from the lookup's output
+gradient: one radix sort of the kernel's ids, then per touched row its gradient
+summed (per-sample weights and mean pooling applied), stepped with torch.optim's
+arithmetic (torchrec's ``RowWiseAdagrad`` for the row-wise kind), written back in
+place, into FBGEMM's own weight and state buffers, with FBGEMM's live learning rate
+and eps. The state stays FBGEMM's: checkpoints, ``describe()`` and the keyed
+optimizer see no difference.
+
+Clipped by norm, the pass runs in two halves (:meth:`CompiledBackward.partial_norm`,
+then :meth:`CompiledBackward.step`): the first sums each touched row once and adds
+its ``|g|^p`` to this rank's partial norm, keeping only the summed rows; the second,
+once the round has the coefficient, scales and steps them. There is no second pass
+over the ids.
+
+Which backward a fused kernel runs is a function of its configuration, the same on
+every rank (:func:`applies`): ours where the operators are built and the kernel is
+on CPU; FBGEMM's on CUDA and where the extension is absent (same results within
+float rounding, slower). A lookup with a variable batch size per feature (VBE)
+keeps FBGEMM's backward. :mod:`sharders.fused_backward` decides when the backward
+runs; this module is what runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from torch import nn
+
+from overlap_optim import compiled
+from sharders.pooling import Lookup
+
+__all__ = ["applies", "CompiledBackward"]
+
+# FBGEMM's optimizer -> the operator's code for it
+_OPTIMIZERS = {EmbOptimType.EXACT_SGD: 0, EmbOptimType.EXACT_ADAGRAD: 1, EmbOptimType.EXACT_ROWWISE_ADAGRAD: 2}
+_POOLING = {PoolingMode.SUM: 0, PoolingMode.MEAN: 1, PoolingMode.NONE: 2}
+
+_STEP = compiled.op("fused_rows_step_")
+_COALESCE = compiled.op("fused_rows_coalesce")
+_APPLY = compiled.op("fused_rows_apply_")
+
+
+def applies(optimizer: EmbOptimType, device_type: str) -> bool:
+    """Whether a fused kernel running FBGEMM's ``optimizer`` on ``device_type`` takes our
+    compiled backward. Depends on the configuration only."""
+    return _STEP is not None and device_type == "cpu" and optimizer in _OPTIMIZERS
+
+
+class CompiledBackward:
+    """The backward of one fused FBGEMM TBE module ``emb`` (float32 weights on CPU), in our pass."""
+
+    def __init__(self, emb: nn.Module) -> None:
+        assert applies(emb.optimizer, "cpu"), f"FBGEMM's {emb.optimizer} has no compiled backward here"
+        self.emb = emb
+        self._optimizer = _OPTIMIZERS[emb.optimizer]
+        self._pooling = _POOLING[emb.pooling_mode]
+        self._feature_table = [int(t) for t in emb.feature_table_map]
+        self._feature_offset = [int(d) for d in emb.D_offsets.tolist()[:-1]]
+        self._rows = [int(rows) for rows, *_ in emb.embedding_specs]
+        self._dims = [int(dim) for _, dim, *_ in emb.embedding_specs]
+        self._coalesced: list[torch.Tensor] | None = None  # [ids, summed] per table, between the halves
+
+    def _tables(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """FBGEMM's weight and state of each table, as views (taken at every step: a load may
+        have replaced its buffers)."""
+        weights = self.emb.split_embedding_weights()
+        states = [] if self._optimizer == 0 else [s[0] for s in self.emb.split_optimizer_states()]
+        return weights, states
+
+    def _settings(self) -> tuple[float, float]:
+        """FBGEMM's live learning rate and eps (:class:`sharders.fbgemm.FusedTable` keeps them)."""
+        return float(self.emb.learning_rate_tensor), float(self.emb.optimizer_args.eps)
+
+    def _inputs(self, lookup: Lookup, grad: torch.Tensor) -> tuple:
+        indices, offsets, weights = lookup
+        weights = None if weights is None else weights.to(torch.float32).contiguous()
+        return (grad.to(torch.float32).contiguous(), indices.to(torch.long).contiguous(),
+                offsets.to(torch.long).contiguous(), weights, self._pooling, self._feature_table,
+                self._feature_offset)
+
+    def partial_norm(self, lookup: Lookup, grad: torch.Tensor, norm_type: float) -> torch.Tensor:
+        """The first half under clipping by norm: ``sum |g|^p`` (``max |g|`` for inf) over the
+        summed gradients of the rows ``lookup`` touched (float64, one element); the summed rows
+        are kept for :meth:`step`."""
+        assert self._coalesced is None, "a partial norm made twice before its step"
+        out = _COALESCE(*self._inputs(lookup, grad), self._rows, self._dims, float(norm_type))
+        self._coalesced = out[1:]
+        return out[0] if not math.isinf(norm_type) else out[0].reshape(1)
+
+    def step(self, lookup: Lookup, grad: torch.Tensor, coefficient: torch.Tensor | None) -> None:
+        """Update the rows ``lookup`` touched, in place. With ``coefficient`` (clipping by norm),
+        the rows :meth:`partial_norm` summed are scaled by it and stepped; without, the whole
+        backward runs in one pass."""
+        weights, states = self._tables()
+        lr, eps = self._settings()
+        if coefficient is None:
+            assert self._coalesced is None, "summed rows kept, but no clipping coefficient"
+            _STEP(*self._inputs(lookup, grad), weights, states, self._optimizer, lr, eps)
+            return
+        assert self._coalesced is not None, "clipped without its partial norm"
+        coalesced, self._coalesced = self._coalesced, None
+        _APPLY(weights, states, coalesced[0::2], coalesced[1::2], self._optimizer, lr, eps, float(coefficient))
