@@ -84,7 +84,10 @@ class CompiledBackward:
     def _inputs(self, lookup: Lookup, grad: torch.Tensor) -> tuple:
         indices, offsets, weights = lookup
         weights = None if weights is None else weights.to(torch.float32).contiguous()
-        return (grad.to(torch.float32).contiguous(), indices.to(torch.long).contiguous(),
+        grad = grad.to(torch.float32)
+        if grad.dim() != 2 or (grad.shape[1] > 1 and grad.stride(1) != 1):  # rows apart are fine, not columns
+            grad = grad.contiguous()
+        return (grad, indices.to(torch.long).contiguous(),
                 offsets.to(torch.long).contiguous(), weights, self._pooling, self._feature_table,
                 self._feature_offset)
 

@@ -28,9 +28,10 @@ def test_quick_benchmarks_write_report_and_json(tmp_path):
     assert {"ours (batch 16)", "torch_in_backward (batch 16)", "ddp_foreach (batch 16)"} <= set(dense["timings"])
     assert set(dense["peak_rss_kib"]) == {"ours", "torch_in_backward", "ddp_foreach"}
     stock = results["benchmarks"]["sparse_vs_torchrec"]
-    assert set(stock["timings"]) == {"ours", "torchrec"} and set(stock["peak_rss_kib"]) == {"ours", "torchrec"}
+    peers = {"ours", "torchrec", "ours_fbgemm_backward"}
+    assert set(stock["timings"]) == peers and set(stock["peak_rss_kib"]) == {"ours", "torchrec"}
     ec = results["benchmarks"]["ec_vs_torchrec"]
-    assert ec["setup"]["collection"] == "ec" and set(ec["timings"]) == {"ours", "torchrec"}
+    assert ec["setup"]["collection"] == "ec" and set(ec["timings"]) == peers
     clipping = results["benchmarks"]["clipping"]
     assert {"sparse fused", "sparse fallback", "sparse clipped", "dense ours (batch 16)", "dense ours_clipped (batch 16)",
             "dense ddp_clip (batch 16)"} <= set(clipping["timings"])

@@ -171,3 +171,21 @@ def test_which_backward_runs_depends_on_the_configuration_only(monkeypatch):
     assert not fused_rows.applies(EmbOptimType.EMAINPLACE_ROWWISE_ADAGRAD, "cpu")
     monkeypatch.setattr(fused_rows, "_STEP", None)  # as where the extension was not built
     assert not fused_rows.applies(EmbOptimType.EXACT_SGD, "cpu")
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_a_gradient_sliced_from_a_wider_one_is_read_in_place(optimizer):
+    """A kernel's output gradient is often columns of the lookup's wider one: read as it lies."""
+    copies = []
+    for sliced in (False, True):
+        emb, *_ = _setup(optimizer, "mixed_widths")
+        torch.manual_seed(1)
+        lookup = _batch(4, torch.Generator().manual_seed(2), True)
+        wide = torch.randn(BATCH, 100)
+        columns = wide[:, 10 : 10 + int(emb.D_offsets[-1])]
+        grad = columns if sliced else columns.contiguous()
+        assert grad.is_contiguous() != sliced
+        CompiledBackward(emb).step(lookup, grad, None)
+        copies.append(emb.split_embedding_weights())
+    for a, b in zip(*copies):
+        assert torch.equal(a, b)

@@ -105,8 +105,9 @@ Lookup group_ids(const at::Tensor& grad, const at::Tensor& indices, const at::Te
   TORCH_CHECK(offsets.device().is_cpu() && offsets.scalar_type() == at::kLong && offsets.dim() == 1 &&
                   offsets.is_contiguous() && offsets.numel() >= 1, op,
               ": offsets must be a contiguous 1-D int64 CPU tensor");
-  TORCH_CHECK(grad.device().is_cpu() && grad.scalar_type() == at::kFloat && grad.is_contiguous() && grad.dim() == 2,
-              op, ": the output gradient must be a contiguous 2-D float32 CPU tensor");
+  TORCH_CHECK(grad.device().is_cpu() && grad.scalar_type() == at::kFloat && grad.dim() == 2 &&
+                  (grad.size(1) <= 1 || grad.stride(1) == 1) && grad.stride(0) >= grad.size(1), op,
+              ": the output gradient must be a 2-D float32 CPU tensor with contiguous rows");
   const int64_t features = static_cast<int64_t>(feature_table.size());
   TORCH_CHECK(features > 0 && feature_offset.size() == feature_table.size(), op,
               ": one table and one column offset per feature");
@@ -132,7 +133,7 @@ Lookup group_ids(const at::Tensor& grad, const at::Tensor& indices, const at::Te
   for (size_t t = 0; t < rows.size(); ++t) l.base[t + 1] = l.base[t] + rows[t];
   l.entries.resize(n);
   const float* psw = weighted ? per_sample_weights->data_ptr<float>() : nullptr;
-  const int64_t width = grad.size(1);
+  const int64_t width = grad.size(1), stride = grad.stride(0);  // a column slice of a wider gradient: rows apart
   for (int64_t b = 0; b < bags; ++b) {
     const int64_t f = b / batch, t = feature_table[f];
     TORCH_CHECK(t >= 0 && t < static_cast<int64_t>(rows.size()), op, ": feature ", f, " names no table");
@@ -141,11 +142,11 @@ Lookup group_ids(const at::Tensor& grad, const at::Tensor& indices, const at::Te
     const int64_t begin = offset[b], end = offset[b + 1];
     TORCH_CHECK(begin <= end, op, ": offsets must not decrease");
     const float mean = pooling == kMean && end > begin ? 1.0f / static_cast<float>(end - begin) : 1.0f;
-    const int64_t bag_source = (b % batch) * width + feature_offset[f];
+    const int64_t bag_source = (b % batch) * stride + feature_offset[f];
     for (int64_t p = begin; p < end; ++p) {
       TORCH_CHECK(id[p] >= 0 && id[p] < rows[t], op, ": id ", id[p], " out of range for table ", t, "'s ",
                   rows[t], " rows");
-      l.entries[p] = {l.base[t] + id[p], pooling == kNone ? p * width : bag_source, weighted ? psw[p] * mean : mean,
+      l.entries[p] = {l.base[t] + id[p], pooling == kNone ? p * stride : bag_source, weighted ? psw[p] * mean : mean,
                       static_cast<int32_t>(t)};
     }
   }
