@@ -197,7 +197,7 @@ def run(quick: bool) -> dict:
     timings = {f"sparse {peer}": t for peer, t in sparse["timings"].items()}
     median = {peer: t["median_s"] for peer, t in sparse["timings"].items()}
     ratios = {
-        "sparse clipped / fused: clipping, the tables fused (target <= 1.15)": median["clipped"] / median["fused"],
+        "sparse clipped / fused: clipping, the tables fused (target <= 1.1)": median["clipped"] / median["fused"],
         "sparse clipped_fallback / fused: clipping, the tables moved to the fallback": (
             median["clipped_fallback"] / median["fused"]),
         "sparse clipped_fallback / clipped: the fallback route over the fused one": (

@@ -17,7 +17,9 @@ Clipped by norm, the pass runs in two halves (:meth:`CompiledBackward.partial_no
 then :meth:`CompiledBackward.step`): the first sums each touched row once and adds
 its ``|g|^p`` to this rank's partial norm, keeping only the summed rows; the second,
 once the round has the coefficient, scales and steps them. There is no second pass
-over the ids.
+over the ids. The summed rows live in a buffer each clipped kernel keeps from step to
+step (as large as its largest step's touched rows): made afresh at every step, its
+pages were faulted in again each time.
 
 Which backward a fused kernel runs is a function of its configuration, the same on
 every rank (:func:`applies`): ours where the operators are built and the kernel is
@@ -28,8 +30,6 @@ runs; this module is what runs.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -68,7 +68,8 @@ class CompiledBackward:
         self._feature_offset = [int(d) for d in emb.D_offsets.tolist()[:-1]]
         self._rows = [int(rows) for rows, *_ in emb.embedding_specs]
         self._dims = [int(dim) for _, dim, *_ in emb.embedding_specs]
-        self._coalesced: list[torch.Tensor] | None = None  # [ids, summed] per table, between the halves
+        self._coalesced: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # ids, summed rows
+        self._summed = torch.empty(0)  # the summed rows of the first half, for the second
 
     def _tables(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """FBGEMM's weight and state of each table, as views (taken at every step: a load may
@@ -94,11 +95,15 @@ class CompiledBackward:
     def partial_norm(self, lookup: Lookup, grad: torch.Tensor, norm_type: float) -> torch.Tensor:
         """The first half under clipping by norm: ``sum |g|^p`` (``max |g|`` for inf) over the
         summed gradients of the rows ``lookup`` touched (float64, one element); the summed rows
-        are kept for :meth:`step`."""
+        are kept for :meth:`step`, in the kernel's buffer (see the module doc)."""
         assert self._coalesced is None, "a partial norm made twice before its step"
-        out = _COALESCE(*self._inputs(lookup, grad), self._rows, self._dims, float(norm_type))
-        self._coalesced = out[1:]
-        return out[0] if not math.isinf(norm_type) else out[0].reshape(1)
+        out = _COALESCE(*self._inputs(lookup, grad), self._rows, self._dims, float(norm_type), self._summed)
+        ids, summed, start = out[1:], [], 0
+        for rows, dim in zip(ids, self._dims):
+            summed.append(self._summed[start : start + rows.numel() * dim].view(rows.numel(), dim))
+            start += rows.numel() * dim
+        self._coalesced = (ids, summed)
+        return out[0]
 
     def step(self, lookup: Lookup, grad: torch.Tensor, coefficient: torch.Tensor | None) -> None:
         """Update the rows ``lookup`` touched, in place. With ``coefficient`` (clipping by norm),
@@ -111,5 +116,5 @@ class CompiledBackward:
             _STEP(*self._inputs(lookup, grad), weights, states, self._optimizer, lr, eps)
             return
         assert self._coalesced is not None, "clipped without its partial norm"
-        coalesced, self._coalesced = self._coalesced, None
-        _APPLY(weights, states, coalesced[0::2], coalesced[1::2], self._optimizer, lr, eps, float(coefficient))
+        (ids, summed), self._coalesced = self._coalesced, None
+        _APPLY(weights, states, ids, summed, self._optimizer, lr, eps, float(coefficient))

@@ -47,9 +47,9 @@ enum Optimizer : int64_t { kSgd = 0, kAdagrad = 1, kRowwiseAdagrad = 2 };
 enum Pooling : int64_t { kSum = 0, kMean = 1, kNone = 2 };
 
 constexpr int64_t kChunk = 64;  // rows per task, and per partial of the norm (fixed: determinism)
-// Rows prefetched ahead: a touched row is rarely in cache (measured: 16-32 best of 0-64, dim 64, one thread).
-constexpr int64_t kAhead = 16;
-constexpr int64_t kBlock = 64;  // rows summed, then stepped, together (fused_rows_step_)
+// Rows stepped together: their gradients made (summed, or scaled) while the next block's rows are
+// prefetched (a touched row is rarely in cache), then the block stepped.
+constexpr int64_t kBlock = 64;
 
 // One table of the kernel: its weight (rows x dim), and its state (rows x dim, rows, or none).
 struct Table {
@@ -245,9 +245,8 @@ void fused_rows_step_(const at::Tensor& grad, const at::Tensor& indices, const a
   const int64_t runs = static_cast<int64_t>(l.starts.size()) - 1, width = max_dim(dims);
   const float minus_lr = static_cast<float>(-lr), epsilon = static_cast<float>(eps);
   at::parallel_for(0, runs, kChunk, [&](int64_t begin, int64_t end) {
-    // A block of rows at a time: their gradients summed into the block's buffer while the next block's
-    // rows are prefetched, then the block stepped (measured: 30% faster than summing and stepping row by
-    // row with the rows 16 ahead prefetched, whose sum and step contend for the same misses).
+    // A block of rows at a time (measured: 30% faster than summing and stepping row by row with the
+    // rows 16 ahead prefetched, whose sum and step contend for the same misses).
     std::vector<float> buffer(kBlock * width);
     for (int64_t first = begin; first < end; first += kBlock) {
       const int64_t last = std::min(end, first + kBlock);
@@ -261,37 +260,64 @@ void fused_rows_step_(const at::Tensor& grad, const at::Tensor& indices, const a
   });
 }
 
-// The first half under clipping by norm: [partial, then per table its touched ids (ascending) and
-// their summed gradients]. The partial is float64: sum |g|^p over the touched rows' elements, or
-// max |g| for norm_type = inf.
+// |g|^p summed over one row (max |g| for p = inf), in float64; in lanes, so that it vectorizes.
+__attribute__((target_clones("avx2", "default")))
+double row_partial(const float* g, int64_t dim, double norm_type) {
+  double lanes[4] = {};
+  int64_t j = 0;
+  if (std::isinf(norm_type)) {
+    for (; j + 4 <= dim; j += 4)
+      for (int k = 0; k < 4; ++k) lanes[k] = std::max(lanes[k], std::fabs(static_cast<double>(g[j + k])));
+    double most = std::max(std::max(lanes[0], lanes[1]), std::max(lanes[2], lanes[3]));
+    for (; j < dim; ++j) most = std::max(most, std::fabs(static_cast<double>(g[j])));
+    return most;
+  }
+  if (norm_type == 2.0) {
+    for (; j + 4 <= dim; j += 4)
+      for (int k = 0; k < 4; ++k) lanes[k] += static_cast<double>(g[j + k]) * static_cast<double>(g[j + k]);
+  } else {
+    for (; j + 4 <= dim; j += 4)
+      for (int k = 0; k < 4; ++k) lanes[k] += std::pow(std::fabs(static_cast<double>(g[j + k])), norm_type);
+  }
+  double total = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]);
+  for (; j < dim; ++j) total += std::pow(std::fabs(static_cast<double>(g[j])), norm_type);
+  return total;
+}
+
+// The first half under clipping by norm: each touched row's gradient summed into `summed` (resized to
+// hold them: the caller keeps it from step to step, so its pages stay mapped), the rows of table 0
+// first, each table's in ascending id order. Returns [partial, then each table's touched ids]; the
+// partial is float64: sum |g|^p over the summed rows' elements, or max |g| for norm_type = inf.
 std::vector<at::Tensor> fused_rows_coalesce(const at::Tensor& grad, const at::Tensor& indices,
                                             const at::Tensor& offsets,
                                             const std::optional<at::Tensor>& per_sample_weights, int64_t pooling,
                                             std::vector<int64_t> feature_table, std::vector<int64_t> feature_offset,
-                                            std::vector<int64_t> rows, std::vector<int64_t> dims, double norm_type) {
+                                            std::vector<int64_t> rows, std::vector<int64_t> dims, double norm_type,
+                                            const at::Tensor& summed) {
   const char* op = "fused_rows_coalesce";
   TORCH_CHECK(rows.size() == dims.size() && !rows.empty(), op, ": one row count and one dimension per table");
   TORCH_CHECK(norm_type > 0, op, ": norm_type must be positive, got ", norm_type);
+  TORCH_CHECK(summed.device().is_cpu() && summed.scalar_type() == at::kFloat && summed.dim() == 1, op,
+              ": summed must be a 1-D float32 CPU tensor");
   const Lookup l = group_ids(grad, indices, offsets, per_sample_weights, pooling, feature_table, feature_offset,
                              rows, dims, op);
   const int64_t runs = static_cast<int64_t>(l.starts.size()) - 1, tables = static_cast<int64_t>(rows.size());
   std::vector<int64_t> first(tables + 1, 0);  // each table's first run (runs are in table order)
   for (int64_t u = 0; u < runs; ++u) ++first[l.table(u) + 1];
   for (int64_t t = 0; t < tables; ++t) first[t + 1] += first[t];
+  std::vector<int64_t> start(tables + 1, 0);  // each table's first element in `summed`
+  for (int64_t t = 0; t < tables; ++t) start[t + 1] = start[t] + (first[t + 1] - first[t]) * dims[t];
+  if (summed.numel() < start[tables]) summed.resize_({start[tables]});
+  float* sums = summed.data_ptr<float>();
   std::vector<at::Tensor> out;
   at::Tensor partial = at::zeros({1}, at::TensorOptions().dtype(at::kDouble));
   out.push_back(partial);
   std::vector<int64_t*> ids(tables);
-  std::vector<float*> sums(tables);
   for (int64_t t = 0; t < tables; ++t) {
-    at::Tensor i = at::empty({first[t + 1] - first[t]}, at::TensorOptions().dtype(at::kLong));
-    at::Tensor s = at::empty({first[t + 1] - first[t], dims[t]}, at::TensorOptions().dtype(at::kFloat));
-    ids[t] = i.data_ptr<int64_t>();
-    sums[t] = s.data_ptr<float>();
-    out.push_back(i);
-    out.push_back(s);
+    out.push_back(at::empty({first[t + 1] - first[t]}, at::TensorOptions().dtype(at::kLong)));
+    ids[t] = out.back().data_ptr<int64_t>();
   }
-  const bool inf = std::isinf(norm_type), square = norm_type == 2.0;
+  const bool inf = std::isinf(norm_type);
   const int64_t chunks = (runs + kChunk - 1) / kChunk;
   std::vector<double> partials(chunks, 0.0);
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
@@ -299,13 +325,11 @@ std::vector<at::Tensor> fused_rows_coalesce(const at::Tensor& grad, const at::Te
       double total = 0.0;
       for (int64_t u = c * kChunk; u < std::min(runs, (c + 1) * kChunk); ++u) {
         const int64_t t = l.table(u), local = u - first[t];
-        float* g = sums[t] + local * dims[t];
+        float* g = sums + start[t] + local * dims[t];
         ids[t][local] = l.row(u);
         sum_run(g, l, u, dims[t]);
-        for (int64_t j = 0; j < dims[t]; ++j) {
-          const double a = std::fabs(static_cast<double>(g[j]));
-          total = inf ? std::max(total, a) : total + (square ? a * a : std::pow(a, norm_type));
-        }
+        const double part = row_partial(g, dims[t], norm_type);
+        total = inf ? std::max(total, part) : total + part;
       }
       partials[c] = total;
     }
@@ -338,11 +362,14 @@ void fused_rows_apply_(const std::vector<at::Tensor>& weights, const std::vector
       TORCH_CHECK(id[u] >= 0 && id[u] < t.rows, op, ": id ", id[u], " out of range for table ", k);
     }
     at::parallel_for(0, count, kChunk, [&](int64_t begin, int64_t end) {
-      for (int64_t u = begin; u < end; ++u) {
-        if (u + kAhead < end) prefetch_row(t, id[u + kAhead], optimizer);
-        float* row = g + u * t.dim;
-        for (int64_t j = 0; j < t.dim; ++j) row[j] = row[j] * coef;
-        step_row(t, id[u], row, optimizer, minus_lr, epsilon);
+      for (int64_t first = begin; first < end; first += kBlock) {  // as in fused_rows_step_
+        const int64_t last = std::min(end, first + kBlock);
+        for (int64_t u = first; u < last; ++u) {
+          if (u + kBlock < end) prefetch_row(t, id[u + kBlock], optimizer);
+          float* row = g + u * t.dim;
+          for (int64_t j = 0; j < t.dim; ++j) row[j] = row[j] * coef;
+        }
+        for (int64_t u = first; u < last; ++u) step_row(t, id[u], g + u * t.dim, optimizer, minus_lr, epsilon);
       }
     });
   }
@@ -357,7 +384,8 @@ TORCH_LIBRARY_FRAGMENT(overlap_optim, m) {
       "float lr, float eps) -> ()");
   m.def(
       "fused_rows_coalesce(Tensor grad, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, "
-      "int[] feature_table, int[] feature_offset, int[] rows, int[] dims, float norm_type) -> Tensor[]");
+      "int[] feature_table, int[] feature_offset, int[] rows, int[] dims, float norm_type, Tensor(a!) summed) "
+      "-> Tensor[]");
   m.def(
       "fused_rows_apply_(Tensor(a!)[] weights, Tensor(b!)[] states, Tensor[] ids, Tensor(c!)[] summed, "
       "int optimizer, float lr, float eps, float coefficient) -> ()");
