@@ -11,9 +11,12 @@ from typing import Any
 from overlap_optim.testing import run_cases, run_ranks
 
 
-def time_peers(peers: dict[str, Callable[[], None]], warmup: int, repeats: int) -> dict[str, dict[str, float]]:
+def time_peers(peers: dict[str, Callable[[], None]], warmup: int, repeats: int,
+               before: Callable[[], None] | None = None) -> dict[str, dict[str, float]]:
     """Run each peer ``warmup`` times, then ``repeats`` rounds in which every peer runs once,
-    in turn, so that noise on this shared machine falls on all of them alike.
+    in turn, so that noise on this shared machine falls on all of them alike. ``before``, if
+    given, runs untimed before each timed call (a barrier: a peer then starts with the ranks
+    together, whatever the peer before it left behind).
 
     Returns ``{peer: {"median_s", "p25_s", "p75_s"}}``.
     """
@@ -23,6 +26,8 @@ def time_peers(peers: dict[str, Callable[[], None]], warmup: int, repeats: int) 
     samples: dict[str, list[float]] = {name: [] for name in peers}
     for _ in range(repeats):
         for name, fn in peers.items():
+            if before is not None:
+                before()
             start = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - start)

@@ -122,7 +122,10 @@ def _time_sparse(rank: int, world_size: int, quick: bool, warmup: int, repeats: 
     rows, batch, pooling = _sizes(quick)
     batches = _batches(rows, batch, pooling, rank)
     built = {peer: _sparse_peer(peer, rows, world_size, batches) for peer in SPARSE_PEERS}
-    timings = time_peers({peer: b[0] for peer, b in built.items()}, warmup, repeats)
+    # A barrier before each timed step: the fallback peers' steps end at different times on the two
+    # ranks (their page faults differ), and without it the next peer's first collective absorbed the
+    # gap (measured: `clipped` 64 ms after `fused`, 97 ms after `fallback`, in one run).
+    timings = time_peers({peer: b[0] for peer, b in built.items()}, warmup, repeats, before=dist.barrier)
     return {"timings": timings, "bound": {p: built[p][1].summary() for p in ("clipped", "clipped_fallback")},
             "kernels": {peer: b[2] for peer, b in built.items()}}
 
