@@ -6,6 +6,8 @@ builder when a C++ compiler is at hand; it registers its operators with torch
 (same results, slower), taken when :func:`op` is None:
 
 - ``adam_rows_``: the one-pass Adam of a table's touched rows (:mod:`overlap_optim.row_pass`);
+- ``fused_rows_step_``, ``fused_rows_coalesce``, ``fused_rows_apply_``: a fused table's backward
+  (SGD, Adagrad, row-wise Adagrad) from its lookup's output gradient (:mod:`sharders.fused_rows`);
 - ``add_one_``: torch.optim's ``step`` counters advanced in one call
   (:func:`overlap_optim.virtual_groups.step_counters`).
 """
