@@ -83,16 +83,24 @@ std::vector<Table> tables_of(const std::vector<at::Tensor>& weights, const std::
   return tables;
 }
 
-// A lookup's ids grouped by (table, row): its entries sorted by key, and the runs of each row.
+// A lookup's ids grouped by (table, row): its entries sorted by key, the runs of each row, and each
+// run's table and row.
 struct Lookup {
   std::vector<overlap_optim::Entry> entries;  // sorted by key, stable
   std::vector<int64_t> starts;                // runs of equal keys in `entries`, then n
-  std::vector<int64_t> base;                  // each table's first key
-  const float* grad;
-  bool scaled;                                // some scale is not 1
+  std::vector<int32_t> run_table;             // per run
+  std::vector<int64_t> run_row;               // per run: the row in its table
+  std::vector<int64_t> bag_source;            // pooled: each bag's gradient, as an offset in `grad`
+  int64_t stride = 0;                         // unpooled: an id's gradient is row `origin` of `grad`
+  bool pooled = true;
+  const float* grad = nullptr;
+  bool scaled = false;                        // some scale is not 1
 
-  int32_t table(int64_t u) const { return entries[starts[u]].table; }
-  int64_t row(int64_t u) const { return entries[starts[u]].key - base[entries[starts[u]].table]; }
+  int32_t table(int64_t u) const { return run_table[u]; }
+  int64_t row(int64_t u) const { return run_row[u]; }
+  const float* source(const overlap_optim::Entry& e) const {
+    return grad + (pooled ? bag_source[e.origin] : static_cast<int64_t>(e.origin) * stride);
+  }
 };
 
 Lookup group_ids(const at::Tensor& grad, const at::Tensor& indices, const at::Tensor& offsets,
@@ -127,14 +135,19 @@ Lookup group_ids(const at::Tensor& grad, const at::Tensor& indices, const at::Te
   TORCH_CHECK(grad.size(0) == (pooling == kNone ? n : batch), op,
               ": the output gradient must have one row per id (unpooled) or per sample (pooled)");
 
+  TORCH_CHECK(n < (int64_t{1} << 32) && bags < (int64_t{1} << 32), op, ": ", n, " ids in ", bags,
+              " bags: at most 2^32 - 1 of each in one lookup");
   Lookup l;
   l.grad = grad.data_ptr<float>();
   l.scaled = weighted || pooling == kMean;
-  l.base.assign(rows.size() + 1, 0);
-  for (size_t t = 0; t < rows.size(); ++t) l.base[t + 1] = l.base[t] + rows[t];
-  l.entries.resize(n);
-  const float* psw = weighted ? per_sample_weights->data_ptr<float>() : nullptr;
+  l.pooled = pooling != kNone;
   const int64_t width = grad.size(1), stride = grad.stride(0);  // a column slice of a wider gradient: rows apart
+  l.stride = stride;
+  std::vector<int64_t> base(rows.size() + 1, 0);
+  for (size_t t = 0; t < rows.size(); ++t) base[t + 1] = base[t] + rows[t];
+  l.entries.resize(n);
+  if (l.pooled) l.bag_source.resize(bags);
+  const float* psw = weighted ? per_sample_weights->data_ptr<float>() : nullptr;
   for (int64_t b = 0; b < bags; ++b) {
     const int64_t f = b / batch, t = feature_table[f];
     TORCH_CHECK(t >= 0 && t < static_cast<int64_t>(rows.size()), op, ": feature ", f, " names no table");
@@ -143,18 +156,23 @@ Lookup group_ids(const at::Tensor& grad, const at::Tensor& indices, const at::Te
     const int64_t begin = offset[b], end = offset[b + 1];
     TORCH_CHECK(begin <= end, op, ": offsets must not decrease");
     const float mean = pooling == kMean && end > begin ? 1.0f / static_cast<float>(end - begin) : 1.0f;
-    const int64_t bag_source = (b % batch) * stride + feature_offset[f];
+    if (l.pooled) l.bag_source[b] = (b % batch) * stride + feature_offset[f];
     for (int64_t p = begin; p < end; ++p) {
       TORCH_CHECK(id[p] >= 0 && id[p] < rows[t], op, ": id ", id[p], " out of range for table ", t, "'s ",
                   rows[t], " rows");
-      l.entries[p] = {l.base[t] + id[p], pooling == kNone ? p * stride : bag_source, weighted ? psw[p] * mean : mean,
-                      static_cast<int32_t>(t)};
+      l.entries[p] = {base[t] + id[p], static_cast<uint32_t>(l.pooled ? b : p), weighted ? psw[p] * mean : mean};
     }
   }
-  overlap_optim::sort_entries(l.entries, std::max<int64_t>(l.base.back(), 1));
+  overlap_optim::sort_entries(l.entries, std::max<int64_t>(base.back(), 1));
   l.starts.reserve(n + 1);
-  for (int64_t k = 0; k < n; ++k)
-    if (k == 0 || l.entries[k].key != l.entries[k - 1].key) l.starts.push_back(k);
+  int32_t t = 0;  // keys are sorted, so each run's table only moves forward
+  for (int64_t k = 0; k < n; ++k) {
+    if (k > 0 && l.entries[k].key == l.entries[k - 1].key) continue;
+    while (l.entries[k].key >= base[t + 1]) ++t;
+    l.starts.push_back(k);
+    l.run_table.push_back(t);
+    l.run_row.push_back(l.entries[k].key - base[t]);
+  }
   l.starts.push_back(n);
   return l;
 }
@@ -165,7 +183,7 @@ void sum_run(float* g, const Lookup& l, int64_t u, int64_t dim) {
   for (int64_t j = 0; j < dim; ++j) g[j] = 0.0f;
   for (int64_t k = l.starts[u]; k < l.starts[u + 1]; ++k) {
     const overlap_optim::Entry& e = l.entries[k];
-    const float* src = l.grad + e.source;
+    const float* src = l.source(e);
     if (!l.scaled) {
       for (int64_t j = 0; j < dim; ++j) g[j] += src[j];
     } else {

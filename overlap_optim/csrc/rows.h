@@ -43,13 +43,13 @@ inline std::vector<int64_t> run_starts(const int64_t* keys, const std::vector<in
   return starts;
 }
 
-// One id of a lookup: its key (the row in the kernel's row space), where its gradient starts in the
-// output gradient, its scale (per-sample weight, mean pooling) and its table.
+// One id of a lookup: its key (the row in the kernel's row space), where its gradient comes from (its
+// bag, pooled; its position, unpooled) and its scale (per-sample weight, mean pooling). 16 bytes: the
+// sort moves them whole.
 struct Entry {
   int64_t key;
-  int64_t source;
+  uint32_t origin;
   float scale;
-  int32_t table;
 };
 
 // `entries` sorted by key, stable: an LSD radix sort that moves the entries themselves (so that each
