@@ -189,3 +189,17 @@ def test_a_gradient_sliced_from_a_wider_one_is_read_in_place(optimizer):
         copies.append(emb.split_embedding_weights())
     for a, b in zip(*copies):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_a_lookup_with_no_ids_changes_nothing(optimizer):
+    """A rank whose row shard no id of the batch reached: nothing steps, the partial norm is 0."""
+    emb, *_ = _setup(optimizer, "weighted_shared_table")
+    before = [w.clone() for w in emb.split_embedding_weights()]
+    lookup = (torch.zeros(0, dtype=torch.long), torch.zeros(3 * BATCH + 1, dtype=torch.long), None)
+    grad = torch.randn(BATCH, int(emb.D_offsets[-1]))
+    rows = CompiledBackward(emb)
+    rows.step(lookup, grad, None)
+    assert rows.partial_norm(lookup, grad, 2.0).item() == 0.0
+    rows.step(lookup, grad, torch.tensor(0.5))
+    assert all(torch.equal(a, b) for a, b in zip(before, emb.split_embedding_weights()))
