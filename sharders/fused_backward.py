@@ -1,5 +1,9 @@
 """FBGEMM's fused backward, held back: when a fused table's update runs, and on what gradient.
 
+What runs is FBGEMM's own backward, or on CPU our compiled one (:mod:`sharders.fused_rows`,
+which reads the window's ids and output gradients directly, and makes its part of the norm in
+the same pass); the rules of when are the same for both.
+
 FBGEMM's TBE forms each touched row's gradient and applies its update inside one
 backward kernel, from the lookup's output gradient; nothing comes out between
 the two. Each fused kernel's lookup output therefore leaves the autograd graph
