@@ -7,6 +7,7 @@ on batches that touch about a third of each table's rows.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -16,7 +17,7 @@ from torchrec import KeyedJaggedTensor
 
 import sharders
 from sharders.describe import kernel_rows
-from _models import ROWS, concat_batches, loss_of
+from _models import ROWS, concat_batches, loss_of, without_compiled_operators
 from _sharded_parity import FAMILIES, build
 
 ADAM_LR, BETA2 = 0.05, 0.999
@@ -135,17 +136,10 @@ def lazy_run(rank: int, world_size: int, sharding_type: str, family: str = "ebc"
     from each (``diff``: the torch sparse optimizers; ``plain_diff``: SparseAdam with eps not
     rescaled; ``dense_diff``: torch.optim.Adam on dense gradients) and which rows moved.
     ``one_pass=False``: as where the compiled one-pass extension was not built."""
-    import overlap_optim.row_pass
-
     settings = [CASES[n][0] for n in NAMES]
     sharder = FAMILIES[family][1](fallback_tables=list(PINNED))
-    kernel = overlap_optim.row_pass._ADAM_ROWS
-    if not one_pass:
-        overlap_optim.row_pass._ADAM_ROWS = None
-    try:
+    with contextlib.nullcontext() if one_pass else without_compiled_operators():
         dmp, start_model, _ = build(NAMES, settings, sharding_type, world_size, sharder=sharder, family=family)
-    finally:
-        overlap_optim.row_pass._ADAM_ROWS = kernel
     kernels = {}
     for module in dmp.modules():
         for name, decision in (getattr(sharders.plan_of(module), "tables", None) or {}).items():

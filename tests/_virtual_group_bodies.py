@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import overlap_optim
-from _models import concat_batches, covering_batch, loss_of
+from _models import concat_batches, covering_batch, loss_of, without_compiled_operators
 from _sharded_parity import build, compare
 from sharders.describe import kernel_rows
 
@@ -62,10 +63,9 @@ def fallback_tables(rank, world_size, sharding_type, steps=4, step_bytes=None, o
     ``step_touched`` call, whether they stepped in one compiled pass). ``step_bytes``: the
     kernel's chunk size (``sharders.fallback.STEP_BYTES``); ``one_pass=False``: as where the
     extension was not built (the tables of a chunk then share one multi-tensor update)."""
-    import overlap_optim.row_pass
     import sharders.fallback
 
-    kept, original, kernel = sharders.fallback.STEP_BYTES, sharders.fallback.step_touched, overlap_optim.row_pass._ADAM_ROWS
+    kept, original = sharders.fallback.STEP_BYTES, sharders.fallback.step_touched
     chunks, passes = [], set()
 
     def recording(updates):
@@ -76,13 +76,11 @@ def fallback_tables(rank, world_size, sharding_type, steps=4, step_bytes=None, o
     sharders.fallback.step_touched = recording
     if step_bytes is not None:
         sharders.fallback.STEP_BYTES = step_bytes
-    if not one_pass:
-        overlap_optim.row_pass._ADAM_ROWS = None
     try:
-        return {**_fallback_tables(rank, world_size, sharding_type, steps), "chunks": chunks, "one_pass": passes}
+        with contextlib.nullcontext() if one_pass else without_compiled_operators():
+            return {**_fallback_tables(rank, world_size, sharding_type, steps), "chunks": chunks, "one_pass": passes}
     finally:
         sharders.fallback.STEP_BYTES, sharders.fallback.step_touched = kept, original
-        overlap_optim.row_pass._ADAM_ROWS = kernel
 
 
 def _fallback_tables(rank, world_size, sharding_type, steps):
