@@ -46,6 +46,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ParameterSharding, ShardedModule, ShardingEnv, ShardingType
+from torchrec.modules.embedding_configs import data_type_to_dtype
 
 from overlap_optim import plans
 from overlap_optim.accumulation import module_accumulating
@@ -136,6 +137,11 @@ class CollectionSharder:
         """The collection's table configs, in order."""
         raise NotImplementedError
 
+    def table_dtype(self, module: nn.Module, table: str) -> torch.dtype:
+        """The dtype ``table`` is stored in: its config's ``data_type`` (TorchRec's unsharded module
+        holds a BF16 table's weight in FP16)."""
+        return data_type_to_dtype(next(c for c in self.table_configs(module) if c.name == table).data_type)
+
     def check_options(self, device_type: str) -> None:
         """Raise ``NotImplementedError`` for a TorchRec option of this sharder that cannot run on
         ``device_type``, before anything is sharded. Nothing, by default."""
@@ -216,7 +222,7 @@ class CollectionSharder:
                 [list(s.shard_offsets) for s in shards], sharding.compute_kernel,
                 (config.num_embeddings, config.embedding_dim), device_type, torch_made,
                 pinned=pinned, dense=dense, shard_sizes=[list(s.shard_sizes) for s in shards],
-                variable_batch=self.variable_batch,
+                variable_batch=self.variable_batch, dtype=data_type_to_dtype(config.data_type),
             )
         if _private.model_being_sharded() is None:  # else check_model checked the names across modules
             for option in ("fallback_tables", "dense_tables"):

@@ -165,6 +165,9 @@ class FusedTable(TableKernel):
     compute_kernel = "fused"
     # FBGEMM computes the same exact update with the table in HBM, in UVM, or cached in HBM (CUDA).
     plan_kernels = frozenset({"fused", "fused_uvm", "fused_uvm_caching"})
+    # FP16 only where our compiled backward steps it, in float32, rounded once (sharders.fused_rows):
+    # the table's choice keeps any other FP16 table out of the fused kernel.
+    precisions = frozenset({torch.float32, torch.float16})
 
     def kernel_for(self, planned: str) -> str | None:
         return planned if planned in self.plan_kernels else self.compute_kernel
@@ -195,6 +198,8 @@ class FusedTable(TableKernel):
             return f"FBGEMM's {optimizer.name} kernel has no variable-batch backward"
         if self.clip is not None:
             return "it is clipped, and FBGEMM's variable-batch backward cannot be held for the norm"
+        if self.decision.dtype != torch.float32:
+            return "its weights are FP16, and FBGEMM's variable-batch backward rounds the update twice"
         return None
 
     def state_layout(self) -> dict[str, str]:

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from fbgemm_gpu.split_embedding_configs import SparseType
 from torch import nn
 
 from overlap_optim.accumulation import module_accumulating
@@ -100,6 +101,8 @@ class HeldBackward:
                     f"fused table(s) {self.tables} got a variable batch size per feature (VBE) with gradient "
                     "clipping or inside no_step; pin them to the fallback (fallback_tables=[...])"
                 )
+            # FBGEMM's backward rounds an FP16 update twice: the sharded module refused the batch before
+            assert self.emb.weights_precision == SparseType.FP32, f"a VBE batch reached FP16 fused tables {self.tables}"
             output.register_hook(lambda _grad: self.on_update())
             return None
         lookup = (bound["indices"], bound["offsets"], bound.get("per_sample_weights"))

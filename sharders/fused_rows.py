@@ -13,6 +13,11 @@ place, into FBGEMM's own weight and state buffers, with FBGEMM's live learning r
 and eps. The state stays FBGEMM's: checkpoints, ``describe()`` and the keyed
 optimizer see no difference.
 
+An FP16 table fuses only here: the pass steps its row read in float32 and rounds the
+result once, to nearest even (torch.optim on a float32 copy, as ``docs/precision.md``
+states), where FBGEMM's CPU backward rounds the update to FP16 before adding it (two
+roundings a step). Its state stays FBGEMM's float32.
+
 Clipped by norm, the pass runs in two halves (:meth:`CompiledBackward.partial_norm`,
 then :meth:`CompiledBackward.step`): the first sums each touched row once and adds
 its ``|g|^p`` to this rank's partial norm, keeping only the summed rows; the second,
@@ -44,20 +49,22 @@ __all__ = ["applies", "CompiledBackward"]
 # FBGEMM's optimizer -> the operator's code for it
 _OPTIMIZERS = {EmbOptimType.EXACT_SGD: 0, EmbOptimType.EXACT_ADAGRAD: 1, EmbOptimType.EXACT_ROWWISE_ADAGRAD: 2}
 _POOLING = {PoolingMode.SUM: 0, PoolingMode.MEAN: 1, PoolingMode.NONE: 2}
+# The weight dtypes the pass steps (in float32, FP16 rounded once); FBGEMM's CPU TBE has no BF16 kernels.
+_DTYPES = (torch.float32, torch.float16)
 
 _STEP = compiled.op("fused_rows_step_")
 _COALESCE = compiled.op("fused_rows_coalesce")
 _APPLY = compiled.op("fused_rows_apply_")
 
 
-def applies(optimizer: EmbOptimType, device_type: str) -> bool:
-    """Whether a fused kernel running FBGEMM's ``optimizer`` on ``device_type`` takes our
-    compiled backward. Depends on the configuration only."""
-    return _STEP is not None and device_type == "cpu" and optimizer in _OPTIMIZERS
+def applies(optimizer: EmbOptimType, device_type: str, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether a fused kernel running FBGEMM's ``optimizer`` on ``device_type``, its weights in
+    ``dtype``, takes our compiled backward. Depends on the configuration only."""
+    return _STEP is not None and device_type == "cpu" and optimizer in _OPTIMIZERS and dtype in _DTYPES
 
 
 class CompiledBackward:
-    """The backward of one fused FBGEMM TBE module ``emb`` (float32 weights on CPU), in our pass."""
+    """The backward of one fused FBGEMM TBE module ``emb`` (float32 or FP16 weights on CPU), in our pass."""
 
     def __init__(self, emb: nn.Module) -> None:
         assert applies(emb.optimizer, "cpu"), f"FBGEMM's {emb.optimizer} has no compiled backward here"

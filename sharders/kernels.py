@@ -109,6 +109,7 @@ class TableDecision:
     kind: KernelKind | str  # the name of its kind's class (:attr:`TableKernel.kind`)
     device_type: str = "cpu"
     clip: GradientClipping | None = None  # the gradient clipping set the table is in
+    dtype: torch.dtype = torch.float32  # what its weights are stored in (its config's data_type)
 
 
 class ShardState(Protocol):

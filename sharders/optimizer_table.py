@@ -28,6 +28,7 @@ from overlap_optim.cross_shard import cross_shard_class
 from sharders.cross_shard import CrossShardTable
 from sharders.data_parallel import DataParallelTable
 from sharders.fallback import DenseTable, LazyTable
+from sharders import fused_rows
 from sharders.fbgemm import RULES, FusedTable, choose_kernel
 from sharders.frozen import FrozenTable
 from sharders.kernels import COLUMN_SPLITTING, ROW_SPLITTING, KernelChoice, TableDecision, TableKernel, UserTable
@@ -85,6 +86,7 @@ def decide(
     dense: frozenset[str] = frozenset(),
     shard_sizes: list[list[int]] = (),
     variable_batch: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> TableDecision:
     """Where ``table`` runs, from its (unsharded) ``weight``'s annotation and its sharding.
 
@@ -98,6 +100,8 @@ def decide(
         variable_batch: the module takes batches with a variable batch size per feature (VBE):
             a table whose fused kernel cannot run them (FBGEMM's Adagrad; a clipped table, whose
             backward is held) runs in the fallback, which can.
+        dtype: the dtype the table is stored in, its config's ``data_type`` (TorchRec's unsharded
+            module holds a BF16 table in FP16); None: the weight's.
 
     Raises:
         ValueError: the table is split along an axis its optimizer is not separable by and
@@ -107,7 +111,8 @@ def decide(
             kind cannot run exactly (:attr:`~sharders.kernels.TableKernel.precisions`).
         NotImplementedError: a table with no annotation is in a gradient clipping set.
     """
-    _check_runnable(table, weight, compute_kernel, device_type)
+    dtype = weight.dtype if dtype is None else dtype
+    _check_runnable(table, dtype, compute_kernel, device_type)
     frozen = not weight.requires_grad
     group = None if frozen else annotation_of(weight, table, torch_made)
     clip = None if frozen else clipping_of(weight)
@@ -122,8 +127,8 @@ def decide(
         if choice.fused and group.state_dtype is not None:
             choice = KernelChoice(False, reason=f"state_dtype={group.state_dtype}: FBGEMM keeps low-precision "
                                   "state on CUDA only (optimizer_state_dtypes); the fallback keeps it exactly")
-        if choice.fused and weight.dtype != torch.float32:
-            choice = KernelChoice(False, reason=f"{_DTYPE_NAMES.get(weight.dtype, weight.dtype)} weights: "
+        if choice.fused and not _fuses_exactly(choice, device_type, dtype):
+            choice = KernelChoice(False, reason=f"{_DTYPE_NAMES.get(dtype, dtype)} weights: "
                                   f"{_NOT_FUSED_LOW_PRECISION}; the fallback rounds once")
         cross_shard = _check_separable(table, group, sharding_type, shard_offsets)
         if cross_shard and choice.fused:  # FBGEMM would step each shard on its own statistics
@@ -139,22 +144,30 @@ def decide(
             "optimizer state in float32 only; low-precision state runs in the fallback on touched rows and in "
             "the DDP hook (data_parallel); annotate the table without state_dtype"
         )
-    if weight.dtype not in kind.precisions:
+    if dtype not in kind.precisions:
         raise NotImplementedError(
-            f"table {table!r} holds its weights in {_DTYPE_NAMES.get(weight.dtype, weight.dtype)} and runs as "
+            f"table {table!r} holds its weights in {_DTYPE_NAMES.get(dtype, dtype)} and runs as "
             f"{kind.kind.value if hasattr(kind.kind, 'value') else kind.kind} ({sharding_type}), which is exact in "
             f"float32 only: {kind.float32_only}. Low-precision tables run in the fallback on touched rows "
             "(a model-parallel sharding type, a row-separable optimizer, not in dense_tables); or build the table "
             "with data_type=DataType.FP32"
         )
-    return TableDecision(table, sharding_type, shape, group, choice, kind.kind, device_type, clip)
+    return TableDecision(table, sharding_type, shape, group, choice, kind.kind, device_type, clip, dtype)
 
 
 _DTYPE_NAMES = {torch.float32: "FP32", torch.float16: "FP16", torch.bfloat16: "BF16"}
-# Why a low-precision table never fuses (FBGEMM_NOTES.md, fbgemm-gpu-cpu 1.8.0).
+# Why a low-precision table does not fuse (FBGEMM_NOTES.md, fbgemm-gpu-cpu 1.8.0).
 _NOT_FUSED_LOW_PRECISION = (
-    "FBGEMM's CPU TBE rounds the update to FP16 before adding it (two roundings a step) and has no BF16 kernels"
+    "FBGEMM's CPU TBE rounds the update to FP16 before adding it (two roundings a step) and has no BF16 kernels; "
+    "an FP16 table fuses only where our compiled backward steps it (CPU, the extension built)"
 )
+
+
+def _fuses_exactly(choice: KernelChoice, device_type: str, dtype: torch.dtype) -> bool:
+    """Whether a table FBGEMM would fuse keeps the reference in its weights' ``dtype``: float32
+    always; FP16 where our compiled backward runs (:func:`sharders.fused_rows.applies`), which
+    steps in float32 and rounds once; otherwise not (FBGEMM rounds an FP16 update twice)."""
+    return dtype == torch.float32 or fused_rows.applies(choice.fbgemm_kwargs["optimizer"], device_type, dtype)
 
 
 # The compute kernels a plan may name, per device type: "fused" is TorchRec's planner's name for
@@ -166,7 +179,7 @@ RUNNABLE_KERNELS = {
 }
 
 
-def _check_runnable(table: str, weight: torch.Tensor, compute_kernel: str, device_type: str) -> None:
+def _check_runnable(table: str, dtype: torch.dtype, compute_kernel: str, device_type: str) -> None:
     """Refuse, by table, a plan's compute kernel that we do not run, and a weight that is not FP32, FP16 or BF16."""
     runnable = RUNNABLE_KERNELS.get(device_type, RUNNABLE_KERNELS["cpu"])
     if compute_kernel not in runnable:
@@ -174,9 +187,9 @@ def _check_runnable(table: str, weight: torch.Tensor, compute_kernel: str, devic
             f"table {table!r}: the plan gives it compute kernel {compute_kernel!r}, which overlap-optim does not run "
             f"on {device_type}; a plan may give {sorted(runnable)} (\"dense\" pins the table to the fallback)"
         )
-    if weight.dtype not in _DTYPE_NAMES:
+    if dtype not in _DTYPE_NAMES:
         raise NotImplementedError(
-            f"table {table!r} holds its weights in {weight.dtype}: tables are FP32, FP16 or BF16; build the "
+            f"table {table!r} holds its weights in {dtype}: tables are FP32, FP16 or BF16; build the "
             "table with data_type=DataType.FP32"
         )
 

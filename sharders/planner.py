@@ -164,7 +164,7 @@ class FittingEnumerator(EmbeddingEnumerator):
                 pinned=sharder.named_in("fallback_tables", path, [option.name]),
                 dense=sharder.named_in("dense_tables", path, [option.name]),
                 shard_sizes=[list(s.size) for s in option.shards],
-                variable_batch=sharder.variable_batch,
+                variable_batch=sharder.variable_batch, dtype=sharder.table_dtype(module, option.name),
             )
         except (ValueError, NotImplementedError) as err:
             return str(err)

@@ -76,8 +76,8 @@ REFUSALS: tuple[Refusal, ...] = (
         "the exact reference (torch.optim in float32 on the stored weights, rounded once) is built for the "
         "fallback (touched rows, or the whole shard); data_parallel would reduce and step a gradient in the "
         "stored dtype, and the cross-shard forms have no low-precision form yet",
-        "the fallback on a model-parallel sharding type (FP16 and BF16 never fuse: FBGEMM's CPU TBE rounds "
-        "twice and has no BF16 kernels), or a float32 table",
+        "the fallback on a model-parallel sharding type, or fused where our compiled backward steps FP16 "
+        "(FBGEMM's own CPU backward rounds twice and it has no BF16 kernels), or a float32 table",
         r"holds its weights in (FP16|BF16) and runs as",
     ),
     Refusal(

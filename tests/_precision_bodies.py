@@ -151,11 +151,12 @@ class _Reference:
 
 
 def train(rank, world_size, dtype, optimizer, sharding_type, pooled=True, steps=4, mutant=None, state_dtype=None,
-          reload=False):
+          reload=False, fallback=False):
     """Ours against the stated reference; ``{"ulps": worst per step, "step_ulps": the same against a
     reference that reads our weights at the start of each step (one step's own difference, not fed
     back through the loss), "moved": ulps the reference moved, "state": dtypes of the optimizer
-    state}``. ``mutant``: "round_gradient" (the gradient rounded to the stored dtype before the
+    state, "runs": describe()'s "runs as" of each kernel}``. ``fallback``: the tables pinned to the
+    fallback. ``mutant``: "round_gradient" (the gradient rounded to the stored dtype before the
     update) or "master_copy" (a float32 copy kept between steps: the final rounding skipped). ``state_dtype``: the
     annotation's. ``reload``: mid-run, the optimizer's state_dict() loaded into a fresh model."""
     torch.manual_seed(0)
@@ -163,7 +164,7 @@ def train(rank, world_size, dtype, optimizer, sharding_type, pooled=True, steps=
     heads = [torch.randn(DIM) for _ in NAMES]
     restore = _mutate(mutant)
     try:
-        dmp = _sharded(world_size, dtype, optimizer, sharding_type, pooled, init, state_dtype)
+        dmp = _sharded(world_size, dtype, optimizer, sharding_type, pooled, init, state_dtype, fallback)
         reference, synced = _Reference(init, optimizer, state_dtype), _Reference(init, optimizer, state_dtype)
         worst, step_worst = [], []
         for step in range(steps):
@@ -173,7 +174,7 @@ def train(rank, world_size, dtype, optimizer, sharding_type, pooled=True, steps=
             if reload and step == steps // 2:  # into a fresh model and optimizer, mid-run
                 saved = overlap_optim.get_optimizers(dmp).state_dict()
                 weights = [_whole(dmp, name, pooled, dtype) for name in NAMES]
-                dmp = _sharded(world_size, dtype, optimizer, sharding_type, pooled, weights, state_dtype)
+                dmp = _sharded(world_size, dtype, optimizer, sharding_type, pooled, weights, state_dtype, fallback)
                 overlap_optim.get_optimizers(dmp).load_state_dict(saved)
             synced.stored = [_whole(dmp, name, pooled, dtype) for name in NAMES]
             synced.optimizer.load_state_dict(copy.deepcopy(reference.optimizer.state_dict()))  # its state, our weights
@@ -189,7 +190,7 @@ def train(rank, world_size, dtype, optimizer, sharding_type, pooled=True, steps=
         dtypes = sorted({str(v.dtype) for entry in state.values() for v in entry.values() if torch.is_tensor(v)
                          and v.dim() > 0})
         return {"ulps": worst, "step_ulps": step_worst, "moved": max(ulps(s, t) for s, t in zip(stored, init)),
-                "state": dtypes, "memory": _held_and_planned(dmp)}
+                "state": dtypes, "memory": _held_and_planned(dmp), "runs": _runs_as(dmp)}
     finally:
         restore()
 
@@ -202,12 +203,21 @@ def _held_and_planned(dmp: nn.Module) -> list[tuple[float, float]]:
     return [tuple(float(v.split()[0]) * units[v.split()[1]] for v in pair) for pair in cells]
 
 
-def _sharded(world_size, dtype, optimizer, sharding_type, pooled, init, state_dtype=None):
-    """The collection of ``dtype`` tables sharded by ours, each table set to ``init``."""
+def _runs_as(dmp: nn.Module) -> list[str]:
+    """``describe()``'s "runs as" column, one entry per distinct value."""
+    rows = sharders.describe(dmp).splitlines()
+    column = [cell.strip() for cell in rows[0].strip(" |").split(" | ")].index("runs as")
+    return sorted({row.strip(" |").split(" | ")[column].strip() for row in rows[2:]})
+
+
+def _sharded(world_size, dtype, optimizer, sharding_type, pooled, init, state_dtype=None, fallback=False):
+    """The collection of ``dtype`` tables sharded by ours, each table set to ``init``; ``fallback``:
+    pinned to the fallback."""
     cls, kwargs = OPTIMIZERS[optimizer]
     collection = _collection(dtype, pooled)
     apply_optimizer_in_backward(cls, collection.parameters(), kwargs, state_dtype=state_dtype)
-    sharder = (sharders.EmbeddingBagCollectionSharder if pooled else sharders.EmbeddingCollectionSharder)()
+    sharder_class = sharders.EmbeddingBagCollectionSharder if pooled else sharders.EmbeddingCollectionSharder
+    sharder = sharder_class(fallback_tables=NAMES if fallback else ())
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=world_size, compute_device="cpu"),
         constraints={n: ParameterConstraints(sharding_types=[sharding_type]) for n in NAMES})

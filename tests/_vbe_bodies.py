@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from torchrec.modules.embedding_configs import DataType
 
 
 OPTIMIZERS = {
@@ -48,11 +49,12 @@ def _batch(step: int, rank: int, uneven: bool = False) -> tuple[KeyedJaggedTenso
 
 
 def train(rank: int, world_size: int, optimizer: str, sharding_type: str, steps: int = 3,
-          variable_batch: bool = False, uneven: bool = False, mean: bool = False) -> dict:
+          variable_batch: bool = False, uneven: bool = False, mean: bool = False, fp16: bool = False) -> dict:
     """One table, looked up by two features with different batch sizes, trained against torch.optim
     on the global batch: the first error ("Type: message") and its step ("shard" at sharding), or
     each step's largest difference and how far the reference moved. ``variable_batch``: the
-    sharder's option; ``mean``: MEAN pooling."""
+    sharder's option; ``mean``: MEAN pooling; ``fp16``: the table stored in FP16 (only refusals are
+    compared)."""
     import overlap_optim
     import sharders
     from torchrec.distributed import DistributedModelParallel
@@ -61,7 +63,8 @@ def train(rank: int, world_size: int, optimizer: str, sharding_type: str, steps:
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", embedding_dim=DIM, num_embeddings=ROWS,
                                                             feature_names=["f", "g"],
-                                                            pooling=PoolingType.MEAN if mean else PoolingType.SUM)])
+                                                            pooling=PoolingType.MEAN if mean else PoolingType.SUM,
+                                                            data_type=DataType.FP16 if fp16 else DataType.FP32)])
     reference = torch.nn.EmbeddingBag(ROWS, DIM, mode="mean" if mean else "sum")
     with torch.no_grad():
         reference.weight.copy_(ebc.embedding_bags["t"].weight)

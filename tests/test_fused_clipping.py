@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     ComputeDevice,
@@ -32,12 +32,13 @@ ROWS = 30
 BATCH = 5
 
 
-def _tbe(dims, feature_table_map, pooling=PoolingMode.SUM, optimizer=EmbOptimType.EXACT_ADAGRAD, lr=0.1):
+def _tbe(dims, feature_table_map, pooling=PoolingMode.SUM, optimizer=EmbOptimType.EXACT_ADAGRAD, lr=0.1,
+         precision=SparseType.FP32):
     specs = [(ROWS, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for d in dims]
     kwargs = {"eps": 1e-8} if optimizer == EmbOptimType.EXACT_ADAGRAD else {}
     return SplitTableBatchedEmbeddingBagsCodegen(
         specs, optimizer=optimizer, learning_rate=lr, feature_table_map=feature_table_map, pooling_mode=pooling,
-        **kwargs,
+        weights_precision=precision, **kwargs,
     )
 
 

@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
@@ -25,6 +25,7 @@ from overlap_optim import apply_gradient_clipping
 from sharders import fused_rows
 from sharders.fused_backward import HeldBackward
 from sharders.fused_rows import CompiledBackward
+from _precision_bodies import ulps
 from test_fused_clipping import BATCH, CASES, _batch, _reference_lookup, _tbe
 
 pytestmark = pytest.mark.skipif(not fused_rows.applies(EmbOptimType.EXACT_SGD, "cpu"),
@@ -47,23 +48,29 @@ def _lookup(tables, ftm, indices, offsets, weights, pooling):
                       for f, t in enumerate(ftm)])
 
 
-def _setup(optimizer, lookup, seed=3, steps=4):
+def _setup(optimizer, lookup, seed=3, steps=4, precision=SparseType.FP32):
     dims, ftm, pooling, weighted = LOOKUPS[lookup]
     weighted = weighted and pooling == PoolingMode.SUM  # torch's embedding_bag weighs sum pooling only
     kind, reference, kwargs = OPTIMIZERS[optimizer]
-    emb = _tbe(dims, ftm, pooling, optimizer=kind)
+    emb = _tbe(dims, ftm, pooling, optimizer=kind, precision=precision)
     if kind == EmbOptimType.EXACT_ROWWISE_ADAGRAD:
         emb.update_hyper_parameters({"eps": 1e-8})
-    tables = [w.detach().clone().requires_grad_() for w in emb.split_embedding_weights()]
+    tables = [w.detach().float().requires_grad_() for w in emb.split_embedding_weights()]
     generator = torch.Generator().manual_seed(seed)
     batches = [_batch(len(ftm), generator, weighted) for _ in range(steps)]
     return emb, tables, reference(tables, **kwargs), ftm, pooling, batches
 
 
-def _train(emb, tables, ref_opt, ftm, pooling, batches, norm_type=None):
+def _train(emb, tables, ref_opt, ftm, pooling, batches, norm_type=None, compiled=True):
     """Ours (FBGEMM's lookup, our backward) against the reference, compared after every step;
-    with ``norm_type``, both clip by that norm at 0.3x the first step's."""
+    with ``norm_type``, both clip by that norm at 0.3x the first step's. FP16 tables: the
+    reference steps a float32 copy of its FP16 weights, re-read every step, and rounds the result
+    once (docs/precision.md); returns the worst ulps of each step. ``compiled=False``: FBGEMM's
+    own backward instead of ours."""
     start = [t.detach().clone() for t in tables]
+    stored = [w.detach().clone() for w in emb.split_embedding_weights()]
+    low = stored[0].dtype != torch.float32
+    worst = []
     width = emb(indices=batches[0][0], offsets=batches[0][1], per_sample_weights=batches[0][2]).shape[1]
     head = torch.randn(width, generator=torch.Generator().manual_seed(11))
     clip, bound = None, None
@@ -72,8 +79,10 @@ def _train(emb, tables, ref_opt, ftm, pooling, batches, norm_type=None):
         (_lookup(probe, ftm, *batches[0], pooling) * head).sum().backward()
         bound = 0.3 * torch.nn.utils.get_total_norm([t.grad for t in probe], norm_type).item()
         clip = apply_gradient_clipping([torch.zeros(1, requires_grad=True)], max_norm=bound, norm_type=norm_type)
-    HeldBackward(emb, ["t"], clip, emb, lambda: None, CompiledBackward(emb))
+    HeldBackward(emb, ["t"], clip, emb, lambda: None, CompiledBackward(emb) if compiled else None)
     for step, (indices, offsets, weights) in enumerate(batches):
+        for table, weight in zip(tables, stored):
+            table.data = weight.float()  # the reference re-reads its stored weights
         out = emb(indices=indices, offsets=offsets, per_sample_weights=weights)
         if clip is not None:
             out.register_hook(lambda _g: clip.arm())  # what the sharder's forward hook does
@@ -85,9 +94,14 @@ def _train(emb, tables, ref_opt, ftm, pooling, batches, norm_type=None):
             assert step > 0 or norm > bound, "the bound must clip"
         ref_opt.step()
         ref_opt.zero_grad()
+        stored = [t.detach().to(w.dtype) for t, w in zip(tables, stored)]  # the one rounding (FP16)
+        if low:
+            worst.append(max(ulps(ours, theirs) for ours, theirs in zip(emb.split_embedding_weights(), stored)))
+            continue
         for ours, theirs in zip(emb.split_embedding_weights(), tables):
             torch.testing.assert_close(ours, theirs.detach(), atol=2e-6, rtol=0, msg=f"step {step}")
     assert min((t.detach() - s).abs().max().item() for t, s in zip(tables, start)) > 1e-3, "the reference must move"
+    return worst
 
 
 @pytest.mark.parametrize("lookup", list(LOOKUPS))
@@ -101,6 +115,23 @@ def test_each_step_is_torchs_update(optimizer, lookup):
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_clipped_by_norm_the_norm_and_the_update_are_torchs(optimizer, lookup, norm_type):
     _train(*_setup(optimizer, lookup), norm_type=norm_type)
+
+
+@pytest.mark.parametrize("norm_type", [None, 2.0])
+@pytest.mark.parametrize("lookup", ["mixed_widths", "weighted_shared_table", "mean_pooling", "unpooled_shared_table"])
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_fp16_tables_step_in_float32_rounded_once(optimizer, lookup, norm_type):
+    # measured: 0 ulps at every step in every case (the float32 arithmetic is the reference's)
+    worst = _train(*_setup(optimizer, lookup, precision=SparseType.FP16), norm_type=norm_type)
+    assert max(worst) == 0, worst
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_fbgemms_own_fp16_backward_fails_that_reference(optimizer):
+    """What the FP16 tables would get from FBGEMM's CPU backward (it rounds the update to FP16
+    before adding it: two roundings a step) is caught by the same check."""
+    worst = _train(*_setup(optimizer, "mixed_widths", precision=SparseType.FP16), compiled=False)
+    assert max(worst) > 1, worst
 
 
 def _big_lookup(seed):

@@ -15,9 +15,11 @@ from functools import partial
 
 import pytest
 import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 from _precision_bodies import checkpoint_dtypes, ddp_state, refused, train
 from overlap_optim.testing import run_cases, selected_cases
+from sharders import fused_rows
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise")
@@ -28,6 +30,8 @@ EXACT = ("sgd", "sgd_momentum", "adagrad", "rowwise_adagrad", "adam", "adamw")
 # step for BF16, and for FP16 but Adagrad (1 ulp at one step) and AdamW (its decay spreads results evenly
 # between FP16 neighbours), where a flipped weight then feeds back through the loss (11 ulps after 4 steps).
 ULPS = 1
+FUSED_ON_CPU = ("sgd", "adagrad", "rowwise_adagrad")  # what FBGEMM fuses on CPU
+COMPILED = fused_rows.applies(EmbOptimType.EXACT_SGD, "cpu")
 FEEDS_BACK = {case for case in ("fp16/adamw/table_wise", "fp16/adamw/row_wise", "fp16/adamw/column_wise",
                                 "fp16/adamw/table_row_wise")}
 
@@ -38,6 +42,11 @@ for dtype_name, dtype in DTYPES.items():
             CASES[f"{dtype_name}/{optimizer}/{sharding_type}"] = partial(train, dtype=dtype, optimizer=optimizer,
                                                                       sharding_type=sharding_type)
     # dense semantics: the whole shard stepped as a float32 copy, rounded once
+    # FBGEMM's fused optimizers: FP16 tables fuse where our compiled backward runs; pinned to the fallback here
+    for optimizer in FUSED_ON_CPU:
+        for sharding_type in ("row_wise", "column_wise"):
+            CASES[f"{dtype_name}/{optimizer}/{sharding_type}/fallback"] = partial(
+                train, dtype=dtype, optimizer=optimizer, sharding_type=sharding_type, fallback=True)
     CASES[f"{dtype_name}/adafactor/table_wise"] = partial(train, dtype=dtype, optimizer="adafactor",
                                                           sharding_type="table_wise")
     CASES[f"{dtype_name}/adam/row_wise/ec"] = partial(train, dtype=dtype, optimizer="adam", sharding_type="row_wise",
@@ -61,7 +70,7 @@ DDP_STATE = {
 }
 MUTANTS = {
     "mutant/round_gradient": partial(train, dtype=torch.float16, optimizer="sgd", sharding_type="table_wise",
-                                     mutant="round_gradient"),
+                                     mutant="round_gradient", fallback=True),
     "mutant/master_copy": partial(train, dtype=torch.bfloat16, optimizer="adam", sharding_type="table_wise",
                                   mutant="master_copy"),
 }
@@ -96,6 +105,16 @@ def test_each_step_equals_the_float32_reference_rounded_once(ranks, case):
             assert max(result["ulps"]) <= ULPS, (case, result["ulps"])
         assert result["moved"] > 8, f"{case}: the reference must move ({result['moved']} ulps)"
         assert result["state"] in ([], ["torch.float32"]), (case, result["state"])
+        assert all(_runs_as(case) in runs for runs in result["runs"]), (case, result["runs"])
+
+
+def _runs_as(case: str) -> str:
+    """What describe() must say runs a case: an FP16 table of an optimizer FBGEMM fuses, where our
+    compiled backward steps it (in float32, rounded once), fuses; every other low-precision table
+    runs in the fallback."""
+    dtype, optimizer, *rest = case.split("/")
+    fuses = dtype == "fp16" and optimizer in FUSED_ON_CPU and "fallback" not in rest and COMPILED
+    return "compiled backward" if fuses else "fallback"
 
 
 @pytest.mark.parametrize("case", list(STATE))

@@ -13,6 +13,11 @@
 //   Adagrad:          s = s + g * g;            w = w + (-lr) * (g / (sqrt(s) + eps))
 //   row-wise Adagrad: s = s + sum(g * g) / D;   w = w + (-lr) * (g / (sqrt(s) + eps))
 //
+// A table stored in FP16 (FBGEMM's CPU TBE has no BF16 kernels) steps the same arithmetic on its row
+// read in float32, and the result is rounded once to FP16, to nearest even (c10::Half's conversion,
+// as torch's .to(torch.float16)); its state stays float32. FBGEMM's own CPU backward instead rounds
+// the update to FP16 before adding it: two roundings a step.
+//
 // Clipping by norm splits the pass in two (fused_rows_coalesce, then fused_rows_apply_): the first
 // sums each touched row and adds its |g|^p (max |g| for p = inf) to a float64 partial, keeping
 // only the summed rows; the second multiplies them by the clipping coefficient and steps them.
@@ -30,6 +35,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -51,9 +57,11 @@ constexpr int64_t kChunk = 64;  // rows per task, and per partial of the norm (f
 // prefetched (a touched row is rarely in cache), then the block stepped.
 constexpr int64_t kBlock = 64;
 
-// One table of the kernel: its weight (rows x dim), and its state (rows x dim, rows, or none).
+// One table of the kernel: its weight (rows x dim, float32 or FP16), and its state (float32: rows x dim,
+// rows, or none).
 struct Table {
-  float* weight;
+  void* weight;
+  bool half;  // the weight is FP16
   float* state;
   int64_t rows, dim;
 };
@@ -67,8 +75,9 @@ std::vector<Table> tables_of(const std::vector<at::Tensor>& weights, const std::
   std::vector<Table> tables;
   for (size_t t = 0; t < weights.size(); ++t) {
     const at::Tensor& w = weights[t];
-    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.is_contiguous() && w.dim() == 2, op,
-                ": table ", t, "'s weight must be a contiguous 2-D float32 CPU tensor");
+    const bool half = w.scalar_type() == at::kHalf;
+    TORCH_CHECK(w.device().is_cpu() && (half || w.scalar_type() == at::kFloat) && w.is_contiguous() &&
+                    w.dim() == 2, op, ": table ", t, "'s weight must be a contiguous 2-D float32 or FP16 CPU tensor");
     float* state = nullptr;
     if (optimizer != kSgd) {
       const at::Tensor& s = states[t];
@@ -78,7 +87,7 @@ std::vector<Table> tables_of(const std::vector<at::Tensor>& weights, const std::
                   "or one value per row (row-wise Adagrad)");
       state = s.data_ptr<float>();
     }
-    tables.push_back({w.data_ptr<float>(), state, w.size(0), w.size(1)});
+    tables.push_back({w.data_ptr(), half, state, w.size(0), w.size(1)});
   }
   return tables;
 }
@@ -193,17 +202,18 @@ void sum_run(float* g, const Lookup& l, int64_t u, int64_t dim) {
   }
 }
 
-// One row's update, torch.optim's arithmetic in its order (see the file's head).
-__attribute__((target_clones("avx2", "default")))
-void step_row(const Table& t, int64_t row, const float* g, int64_t optimizer, float minus_lr, float eps) {
-  float* w = t.weight + row * t.dim;
-  const int64_t dim = t.dim;
+// One row's update, torch.optim's arithmetic in its order (see the file's head), on the row read in
+// float32 and written back in W (FP16: rounded once, to nearest even).
+template <typename W>
+inline __attribute__((always_inline)) void step_row_as(W* w, float* state, int64_t dim, const float* g,
+                                                       int64_t optimizer, float minus_lr, float eps) {
   if (optimizer == kSgd) {
-    for (int64_t j = 0; j < dim; ++j) w[j] = w[j] + minus_lr * g[j];
+    for (int64_t j = 0; j < dim; ++j) w[j] = static_cast<W>(static_cast<float>(w[j]) + minus_lr * g[j]);
   } else if (optimizer == kAdagrad) {
-    float* s = t.state + row * dim;
+    float* s = state;
     for (int64_t j = 0; j < dim; ++j) s[j] = s[j] + g[j] * g[j];
-    for (int64_t j = 0; j < dim; ++j) w[j] = w[j] + minus_lr * (g[j] / (std::sqrt(s[j]) + eps));
+    for (int64_t j = 0; j < dim; ++j)
+      w[j] = static_cast<W>(static_cast<float>(w[j]) + minus_lr * (g[j] / (std::sqrt(s[j]) + eps)));
   } else {
     float lanes[8] = {};  // the sum of squares in 8 lanes, so that it vectorizes (as ATen's sum does)
     int64_t j = 0;
@@ -211,21 +221,42 @@ void step_row(const Table& t, int64_t row, const float* g, int64_t optimizer, fl
       for (int k = 0; k < 8; ++k) lanes[k] += g[j + k] * g[j + k];
     float squares = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
     for (; j < dim; ++j) squares += g[j] * g[j];
-    float& s = t.state[row];
+    float& s = *state;
     s = s + squares / static_cast<float>(dim);
     const float denominator = std::sqrt(s) + eps;
-    for (int64_t j = 0; j < dim; ++j) w[j] = w[j] + minus_lr * (g[j] / denominator);
+    for (int64_t j = 0; j < dim; ++j) w[j] = static_cast<W>(static_cast<float>(w[j]) + minus_lr * (g[j] / denominator));
+  }
+}
+
+__attribute__((target_clones("avx2", "default")))
+void step_row_float(float* w, float* state, int64_t dim, const float* g, int64_t optimizer, float minus_lr,
+                    float eps) {
+  step_row_as(w, state, dim, g, optimizer, minus_lr, eps);
+}
+
+__attribute__((target_clones("avx2", "default")))
+void step_row_half(c10::Half* w, float* state, int64_t dim, const float* g, int64_t optimizer, float minus_lr,
+                   float eps) {
+  step_row_as(w, state, dim, g, optimizer, minus_lr, eps);
+}
+
+void step_row(const Table& t, int64_t row, const float* g, int64_t optimizer, float minus_lr, float eps) {
+  float* state = t.state == nullptr ? nullptr : t.state + (optimizer == kAdagrad ? row * t.dim : row);
+  if (t.half) {
+    step_row_half(static_cast<c10::Half*>(t.weight) + row * t.dim, state, t.dim, g, optimizer, minus_lr, eps);
+  } else {
+    step_row_float(static_cast<float*>(t.weight) + row * t.dim, state, t.dim, g, optimizer, minus_lr, eps);
   }
 }
 
 // Every cache line of a row (and of its Adagrad state): a touched row is rarely in cache.
 void prefetch_row(const Table& t, int64_t row, int64_t optimizer) {
-  const char* w = reinterpret_cast<const char*>(t.weight + row * t.dim);
-  const int64_t bytes = t.dim * static_cast<int64_t>(sizeof(float));
+  const int64_t element = t.half ? 2 : 4, bytes = t.dim * element;
+  const char* w = static_cast<const char*>(t.weight) + row * bytes;
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(w + b, 1);
   if (optimizer == kAdagrad) {
     const char* s = reinterpret_cast<const char*>(t.state + row * t.dim);
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(s + b, 1);
+    for (int64_t b = 0; b < t.dim * 4; b += 64) __builtin_prefetch(s + b, 1);
   } else if (optimizer == kRowwiseAdagrad) {
     __builtin_prefetch(t.state + row, 1);
   }
