@@ -14,8 +14,8 @@
 //   row-wise Adagrad: s = s + sum(g * g) / D;   w = w + (-lr) * (g / (sqrt(s) + eps))
 //
 // A table stored in FP16 (FBGEMM's CPU TBE has no BF16 kernels) steps the same arithmetic on its row
-// read in float32, and the result is rounded once to FP16, to nearest even (c10::Half's conversion,
-// as torch's .to(torch.float16)); its state stays float32. FBGEMM's own CPU backward instead rounds
+// read in float32, and the result is rounded once to FP16, to nearest even (F16C's conversion, or
+// c10::Half's, as torch's .to(torch.float16)); its state stays float32. FBGEMM's own CPU backward instead rounds
 // the update to FP16 before adding it: two roundings a step.
 //
 // Clipping by norm splits the pass in two (fused_rows_coalesce, then fused_rows_apply_): the first
@@ -37,6 +37,8 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -202,18 +204,16 @@ void sum_run(float* g, const Lookup& l, int64_t u, int64_t dim) {
   }
 }
 
-// One row's update, torch.optim's arithmetic in its order (see the file's head), on the row read in
-// float32 and written back in W (FP16: rounded once, to nearest even).
-template <typename W>
-inline __attribute__((always_inline)) void step_row_as(W* w, float* state, int64_t dim, const float* g,
-                                                       int64_t optimizer, float minus_lr, float eps) {
+// One row's update, torch.optim's arithmetic in its order (see the file's head).
+__attribute__((target_clones("avx2", "default")))
+void step_row_float(float* w, float* state, int64_t dim, const float* g, int64_t optimizer, float minus_lr,
+                    float eps) {
   if (optimizer == kSgd) {
-    for (int64_t j = 0; j < dim; ++j) w[j] = static_cast<W>(static_cast<float>(w[j]) + minus_lr * g[j]);
+    for (int64_t j = 0; j < dim; ++j) w[j] = w[j] + minus_lr * g[j];
   } else if (optimizer == kAdagrad) {
     float* s = state;
     for (int64_t j = 0; j < dim; ++j) s[j] = s[j] + g[j] * g[j];
-    for (int64_t j = 0; j < dim; ++j)
-      w[j] = static_cast<W>(static_cast<float>(w[j]) + minus_lr * (g[j] / (std::sqrt(s[j]) + eps)));
+    for (int64_t j = 0; j < dim; ++j) w[j] = w[j] + minus_lr * (g[j] / (std::sqrt(s[j]) + eps));
   } else {
     float lanes[8] = {};  // the sum of squares in 8 lanes, so that it vectorizes (as ATen's sum does)
     int64_t j = 0;
@@ -224,29 +224,57 @@ inline __attribute__((always_inline)) void step_row_as(W* w, float* state, int64
     float& s = *state;
     s = s + squares / static_cast<float>(dim);
     const float denominator = std::sqrt(s) + eps;
-    for (int64_t j = 0; j < dim; ++j) w[j] = static_cast<W>(static_cast<float>(w[j]) + minus_lr * (g[j] / denominator));
+    for (int64_t j = 0; j < dim; ++j) w[j] = w[j] + minus_lr * (g[j] / denominator);
   }
 }
 
-__attribute__((target_clones("avx2", "default")))
-void step_row_float(float* w, float* state, int64_t dim, const float* g, int64_t optimizer, float minus_lr,
-                    float eps) {
-  step_row_as(w, state, dim, g, optimizer, minus_lr, eps);
+// FP16 <-> float32, 8 at a time where the CPU converts them (F16C), else one by one (c10::Half); both
+// round to nearest even.
+bool has_f16c() {
+  static const bool yes = __builtin_cpu_supports("f16c");
+  return yes;
 }
 
-__attribute__((target_clones("avx2", "default")))
-void step_row_half(c10::Half* w, float* state, int64_t dim, const float* g, int64_t optimizer, float minus_lr,
-                   float eps) {
-  step_row_as(w, state, dim, g, optimizer, minus_lr, eps);
+__attribute__((target("avx,f16c")))
+void widen_f16c(const c10::Half* from, float* to, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(to + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(from + j))));
+  for (; j < n; ++j) to[j] = static_cast<float>(from[j]);
 }
 
+__attribute__((target("avx,f16c")))
+void narrow_f16c(const float* from, c10::Half* to, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(to + j),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(from + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; j < n; ++j) to[j] = c10::Half(from[j]);
+}
+
+void widen(const c10::Half* from, float* to, int64_t n) {
+  if (has_f16c()) return widen_f16c(from, to, n);
+  for (int64_t j = 0; j < n; ++j) to[j] = static_cast<float>(from[j]);
+}
+
+void narrow(const float* from, c10::Half* to, int64_t n) {
+  if (has_f16c()) return narrow_f16c(from, to, n);
+  for (int64_t j = 0; j < n; ++j) to[j] = c10::Half(from[j]);
+}
+
+// Row `row` of table t stepped; an FP16 row is read in float32, stepped, and rounded once on its way back.
 void step_row(const Table& t, int64_t row, const float* g, int64_t optimizer, float minus_lr, float eps) {
   float* state = t.state == nullptr ? nullptr : t.state + (optimizer == kAdagrad ? row * t.dim : row);
-  if (t.half) {
-    step_row_half(static_cast<c10::Half*>(t.weight) + row * t.dim, state, t.dim, g, optimizer, minus_lr, eps);
-  } else {
+  if (!t.half) {
     step_row_float(static_cast<float*>(t.weight) + row * t.dim, state, t.dim, g, optimizer, minus_lr, eps);
+    return;
   }
+  thread_local std::vector<float> wide;
+  if (static_cast<int64_t>(wide.size()) < t.dim) wide.resize(t.dim);
+  c10::Half* w = static_cast<c10::Half*>(t.weight) + row * t.dim;
+  widen(w, wide.data(), t.dim);
+  step_row_float(wide.data(), state, t.dim, g, optimizer, minus_lr, eps);
+  narrow(wide.data(), w, t.dim);
 }
 
 // Every cache line of a row (and of its Adagrad state): a touched row is rarely in cache.
