@@ -135,8 +135,10 @@ class DenseTable(FallbackTable):
 
     kind = KernelKind.DENSE
     semantics = "dense"
-    # The shard stepped as a float32 copy made for the step, rounded once into the table after it.
+    # The shard stepped as a float32 copy made for the step, rounded once into the table after it;
+    # state_dtype state stepped as float32 copies, rounded once into the stored state after it.
     precisions = frozenset({torch.float32, torch.float16, torch.bfloat16})
+    low_precision_state = True
 
     def make_optimizer(self, weight: torch.Tensor, config: Any, context: BuildContext) -> TableOptimizer:
         return DenseTableOptimizer(weight, self.group, self.table)
