@@ -54,7 +54,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from overlap_optim import _private
 from overlap_optim.round import EndOfBackwardRound
 from overlap_optim.spec import AnnotationGroup, OptimizerSpec
-from overlap_optim.table_optimizer import DenseTableOptimizer
+from overlap_optim.table_optimizer import DenseTableOptimizer, copy_bytes, math_dtype
 
 __all__ = [
     "CROSS_SHARD", "CROSS_SHARD_VECTOR", "cross_shard_class", "Geometry", "CrossShardOptimizer",
@@ -144,10 +144,18 @@ class CrossShardOptimizer(DenseTableOptimizer):
         gradient and what is made from it) and its partial sums, or in the round, what it holds
         from one half to the other and its slot (:meth:`EndOfBackwardRound.slot_bytes`).
 
+        An FP16 or BF16 shard steps in float32: its temporaries are float32, and its float32 copy
+        is held through both halves (:func:`~overlap_optim.table_optimizer.copy_bytes`).
+
         Buffers the size of the batch (the touched rows' gradients and what is made from them)
         are not counted, as the planner counts none for lazy tables. Measured against the peak
         of a step in ``tests/test_kernels.py``.
         """
+        return cls._math_bytes(geometry, shard_shape, math_dtype(dtype)) + copy_bytes(shard_shape, dtype)
+
+    @classmethod
+    def _math_bytes(cls, geometry: Geometry, shard_shape: tuple[int, int], dtype: torch.dtype) -> int:
+        """:meth:`step_bytes` of a shard stepped in ``dtype``, beside a low-precision shard's copy."""
         slot = cls.slot_size(geometry)
         outside = cls._temporary_bytes(geometry, shard_shape, dtype) + 8 * slot
         in_round = cls._held_bytes(geometry, shard_shape, dtype) + EndOfBackwardRound.slot_bytes(slot)
@@ -696,7 +704,7 @@ class MuonTable(CrossShardOptimizer):
         return rows * cols
 
     @classmethod
-    def step_bytes(cls, geometry, shard_shape, dtype=torch.float32):
+    def _math_bytes(cls, geometry, shard_shape, dtype):
         """The round's slot at its peak: the whole matrix contributed in ``dtype``, and in float64 the
         buffer, a copy and the sum (28 bytes an element of the table, for float32). Outside the
         round, the shard's gradient, its Nesterov update and the matrix are less; so are, in the

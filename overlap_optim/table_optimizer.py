@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+from math import prod as math_prod
 from typing import Any, ClassVar
 
 import torch
@@ -26,6 +27,7 @@ from overlap_optim.virtual_groups import VirtualKey, multi_tensor_step, virtual_
 
 __all__ = [
     "TableOptimizer", "RowOptimizer", "DenseTableOptimizer", "step_tables", "step_touched", "sum_rows", "math_dtype",
+    "copy_bytes",
 ]
 
 
@@ -425,6 +427,12 @@ def math_dtype(stored: torch.dtype) -> torch.dtype:
     FP16 or BF16, the table's own dtype otherwise."""
     return torch.float32 if stored in (torch.float16, torch.bfloat16) else stored
 
+
+def copy_bytes(shape: tuple[int, ...], stored: torch.dtype) -> int:
+    """Bytes of the float32 copy that a :class:`DenseTableOptimizer` step of a shard of ``shape``
+    stored in ``stored`` holds (:attr:`DenseTableOptimizer.stepped`): none for a float32 shard."""
+    math = math_dtype(stored)
+    return 0 if math == stored else math.itemsize * math_prod(shape)
 
 
 def step_tables(updates: list[tuple[TableOptimizer, torch.Tensor, torch.Tensor]]) -> None:

@@ -33,7 +33,7 @@ from overlap_optim.clipping import GradientClipping
 from overlap_optim.gradient_path import take
 from overlap_optim.record import live_optimizers, set_live_optimizers
 from overlap_optim.table_optimizer import (
-    DenseTableOptimizer, RowOptimizer, TableOptimizer, step_tables, step_touched, sum_rows,
+    DenseTableOptimizer, RowOptimizer, TableOptimizer, copy_bytes, math_dtype, step_tables, step_touched, sum_rows,
 )
 from sharders import _private
 from sharders.kernels import BuildContext, KernelKind, LocalShard, TableKernel
@@ -144,8 +144,10 @@ class DenseTable(FallbackTable):
         return DenseTableOptimizer(weight, self.group, self.table)
 
     def step_bytes(self, shard_shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> int:
-        """Each step makes the shard's whole gradient (zeros where untouched)."""
-        return shard_shape[0] * shard_shape[1] * torch.empty(0, dtype=dtype).element_size()
+        """Each step makes the shard's whole gradient (zeros where untouched), float32 for an FP16 or
+        BF16 shard, and then that shard's float32 copy."""
+        gradient = shard_shape[0] * shard_shape[1] * math_dtype(dtype).itemsize
+        return gradient + copy_bytes(tuple(shard_shape), dtype)
 
     def runs_as(self) -> str:
         return "fallback: torch.optim on the whole table"
