@@ -331,6 +331,9 @@ class DenseTableOptimizer(TableOptimizer):
         self.stepped = weight if self.math_dtype == weight.dtype else weight.detach().to(self.math_dtype)
         self._optimizer = group.spec.make([self.stepped])
         self._kept: dict[str, Any] | None = None  # the stored state, while a step works on float32 copies
+        made = self._optimizer.state.pop(self.stepped, None)
+        if made:  # state its constructor makes (Adagrad's sum) is kept as any state is: in its dtype
+            self._set_state(made)
         self._release()
 
     @torch.no_grad()

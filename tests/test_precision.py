@@ -15,6 +15,7 @@ from functools import partial
 
 import pytest
 import torch
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from _precision_bodies import checkpoint_dtypes, ddp_state, refused, train
 from overlap_optim.testing import run_cases, selected_cases
@@ -235,3 +236,16 @@ def test_a_kind_that_keeps_float32_state_only_refuses_state_dtype_by_table():
     with recording_decisions(), pytest.raises(NotImplementedError, match=r"table 'recorded' .* float32 only") as err:
         decide("recorded", weight, "table_wise", [[0, 0]], "fused", (4, 2), "cpu", {})
     assert refusal("low_precision_state").matches(str(err.value)), err.value
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adagrad, RowWiseAdagrad], ids=["adagrad", "rowwise_adagrad"])
+def test_state_an_optimizer_makes_when_built_is_kept_in_state_dtype(cls):
+    """Adagrad's constructor makes its state (float32): a whole-shard table keeps it in BF16 before any step,
+    as a checkpoint's sharded metadata says (the promise matrix loaded one into a fresh model)."""
+    from overlap_optim.spec import AnnotationGroup, describe_optimizer
+    from overlap_optim.table_optimizer import DenseTableOptimizer
+
+    group = AnnotationGroup(describe_optimizer(cls, {"lr": 0.1}), torch.bfloat16)
+    table = DenseTableOptimizer(torch.zeros(4, 2, dtype=torch.float16), group, "t0")
+    assert table.state["sum"].dtype == torch.bfloat16, table.state
+    assert table.state["step"].dtype == torch.float32, table.state  # a step counter keeps its dtype

@@ -262,16 +262,23 @@ def directory():
                        cover=False, vbe=True))
 @example(config=Config((T("t0", "ebc", 1, "table_wise", "sgd"), T("t1", "ebc", 1, "table_wise", "sgd", mean=True),
                         T("t2", "ebc", 1, "table_wise", "sgd")), cover=False, checkpoint="other_plan", vbe=True))
-# FP16 and BF16 tables, lazy and dense (a layer-wise table kept whole under the other plan: split, it would be
-# the cross-shard kind, refused), and BF16 state, through a checkpoint under another plan and with clipping.
+# FP16 and BF16 tables, lazy and dense (a layer-wise table split under the other plan: the cross-shard kind), and
+# BF16 state, through a checkpoint under another plan and with clipping.
 @example(config=Config((T("t0", "ebc", 7, "table_wise", "adafactor", precision="fp16"),
                         T("t1", "ebc", 9, "row_wise", "adam", precision="bf16", state_bf16=True)),
                        checkpoint="other_plan", clip=("norm", "everything")))
 @example(config=Config((T("t0", "ebc", 7, "column_wise", "adam", precision="bf16", state_bf16=True),
                         T("s0", "ec", 9, "row_wise", "adagrad", precision="fp16")), micro=2, cover=False,
                        checkpoint="dcp_other_plan"))
-# A layer-wise FP16 table row_wise on one rank: one shard, the dense kind, exact (on 2 ranks: refused).
+# A layer-wise FP16 table row_wise on one rank: one shard, the dense kind (on 2 ranks: the cross-shard kind).
 @example(config=Config((T("t0", "ebc", 1, "row_wise", "adafactor", precision="fp16"),), world_size=1, weighted=True))
+# Low-precision cross-shard tables with BF16 state (LAMB's moments, RowWiseAdagrad's row sums on column shards).
+@example(config=Config((T("t0", "ebc", 9, "row_wise", "lamb", precision="bf16", state_bf16=True),
+                        T("t1", "ebc", 7, "column_wise", "rowwise_adagrad", precision="fp16", state_bf16=True)),
+                       checkpoint="other_plan"))
+# BF16 state on a dense Adagrad table whose constructor makes its state (float32): loaded before a step.
+@example(config=Config((T("s0", "ec", 1, "table_wise", "adagrad", dense=True, state_bf16=True),), cover=False,
+                       checkpoint="other_plan"))
 def test_exact_or_refused(config: Config, directory: str) -> None:
     name = hashlib.sha1(repr(config).encode()).hexdigest()[:10]
     if os.environ.get("MATRIX_LOG"):  # each example as it starts: a run that stalls shows where
