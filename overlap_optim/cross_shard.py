@@ -54,7 +54,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from overlap_optim import _private
 from overlap_optim.round import EndOfBackwardRound
 from overlap_optim.spec import AnnotationGroup, OptimizerSpec
-from overlap_optim.table_optimizer import DenseTableOptimizer
+from overlap_optim.table_optimizer import DenseTableOptimizer, copy_bytes, math_dtype
 
 __all__ = [
     "CROSS_SHARD", "CROSS_SHARD_VECTOR", "cross_shard_class", "Geometry", "CrossShardOptimizer",
@@ -122,9 +122,14 @@ class CrossShardOptimizer(DenseTableOptimizer):
     (dense semantics).
 
     Subclasses give the optimizer's math in two halves: :meth:`partials` (local,
-    in backward) and :meth:`complete` (with the summed statistics). State is kept
-    as :class:`DenseTableOptimizer` keeps it, under the reference optimizer's
-    names, so checkpoints see no difference.
+    in backward) and :meth:`complete` (with the summed statistics), both on
+    :attr:`stepped`. State is kept as :class:`DenseTableOptimizer` keeps it, under
+    the reference optimizer's names, so checkpoints see no difference. The step is
+    open from the first half to the second (:meth:`ready`, :meth:`close`): an FP16 or
+    BF16 shard steps as a float32 copy, and state kept in an annotation's
+    ``state_dtype`` as float32 working copies, each rounded once when the second
+    half has run: the update of the optimizer's own class on the whole table in
+    float32, rounded once, as for a whole table.
     """
 
     @classmethod
@@ -139,10 +144,18 @@ class CrossShardOptimizer(DenseTableOptimizer):
         gradient and what is made from it) and its partial sums, or in the round, what it holds
         from one half to the other and its slot (:meth:`EndOfBackwardRound.slot_bytes`).
 
+        An FP16 or BF16 shard steps in float32: its temporaries are float32, and its float32 copy
+        is held through both halves (:func:`~overlap_optim.table_optimizer.copy_bytes`).
+
         Buffers the size of the batch (the touched rows' gradients and what is made from them)
         are not counted, as the planner counts none for lazy tables. Measured against the peak
         of a step in ``tests/test_kernels.py``.
         """
+        return cls._math_bytes(geometry, shard_shape, math_dtype(dtype)) + copy_bytes(shard_shape, dtype)
+
+    @classmethod
+    def _math_bytes(cls, geometry: Geometry, shard_shape: tuple[int, int], dtype: torch.dtype) -> int:
+        """:meth:`step_bytes` of a shard stepped in ``dtype``, beside a low-precision shard's copy."""
         slot = cls.slot_size(geometry)
         outside = cls._temporary_bytes(geometry, shard_shape, dtype) + 8 * slot
         in_round = cls._held_bytes(geometry, shard_shape, dtype) + EndOfBackwardRound.slot_bytes(slot)
@@ -176,17 +189,33 @@ class CrossShardOptimizer(DenseTableOptimizer):
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
-        """First half now; the round finishes it when backward ends."""
+        """First half now; the round finishes it when backward ends. The step stays open
+        (:meth:`ready`) in between: a low-precision table's float32 copy and the float32 working
+        copies of low-precision state live until the second half has run."""
         state = self.ready()
-        grads = grads.to(self.weight.dtype)
+        grads = grads.to(self.math_dtype)
         if self.group.spec.kwargs.get("maximize"):
             grads = -grads
-        hypers = self.group.param_group
-        self.round.contribute(self.name, self.partials(ids, grads, state, hypers), self.complete)
+        try:
+            partials = self.partials(ids, grads, state, self.group.param_group)
+        except BaseException:
+            self._abandon()
+            raise
+        self.round.contribute(self.name, partials, self._second_half)
+
+    @torch.no_grad()
+    def _second_half(self, stats: torch.Tensor) -> None:
+        """:meth:`complete`, then the step closed (also when it refuses: what the first half did stays,
+        as it does in place on a float32 table)."""
+        try:
+            self.complete(stats)
+        finally:
+            self.close()
 
     def _make_placeholder(self) -> None:
         """Zeros, no step taken."""
-        self._fresh_state(self._optimizer.state[self.weight])
+        self._fresh_state(self.ready())
+        self.close()
 
     def _check_settings(self) -> None:
         """Refuse settings whose cross-shard form is not built, naming the table."""
@@ -229,10 +258,10 @@ class LambTable(CrossShardOptimizer):
                 self._refuse(f"{key}=True")
 
     def _fresh_state(self, state):
-        state["exp_avg"] = torch.zeros_like(self.weight)
-        state["exp_avg_sq"] = torch.zeros_like(self.weight)
+        state["exp_avg"] = torch.zeros_like(self.stepped)
+        state["exp_avg_sq"] = torch.zeros_like(self.stepped)
         for name in ("weight_norm", "adam_norm", "trust_ratio"):
-            state[name] = self.weight.new_zeros(())
+            state[name] = self.stepped.new_zeros(())
         state["step"] = 0
 
     def partials(self, ids, grads, state, h):
@@ -245,18 +274,18 @@ class LambTable(CrossShardOptimizer):
         exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1 if h["grad_averaging"] else 1.0)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
         if h["weight_decay"] != 0 and h["weight_decouple"]:
-            self.weight.mul_(1.0 - h["weight_decay"] * (1.0 if h["fixed_decay"] else h["lr"]))
+            self.stepped.mul_(1.0 - h["weight_decay"] * (1.0 if h["fixed_decay"] else h["lr"]))
         update = exp_avg_sq.sqrt().add_(h["eps"])
         torch.div(exp_avg, update, out=update)
         if not h["weight_decouple"] and h["weight_decay"] > 0:
-            update.add_(self.weight, alpha=h["weight_decay"])
+            update.add_(self.stepped, alpha=h["weight_decay"])
         self._grad = update
-        return torch.stack([self.weight.square().sum(), update.square().sum()]).double()
+        return torch.stack([self.stepped.square().sum(), update.square().sum()]).double()
 
     def complete(self, stats):
-        h, state = self.group.param_group, self._optimizer.state[self.weight]
-        weight_norm = stats[0].sqrt().clamp(min=0, max=10.0).to(self.weight.dtype)  # Lamb.clamp
-        update_norm = stats[1].sqrt().to(self.weight.dtype)
+        h, state = self.group.param_group, self._optimizer.state[self.stepped]
+        weight_norm = stats[0].sqrt().clamp(min=0, max=10.0).to(self.stepped.dtype)  # Lamb.clamp
+        update_norm = stats[1].sqrt().to(self.stepped.dtype)
         trust = torch.ones_like(weight_norm) if weight_norm == 0 or update_norm == 0 else weight_norm / (
             update_norm + h["eps"])
         state["weight_norm"], state["adam_norm"], state["trust_ratio"] = weight_norm, update_norm, trust
@@ -264,7 +293,7 @@ class LambTable(CrossShardOptimizer):
             trust = 1.0
         beta1 = h["betas"][0]
         step_size = h["lr"] if h.get("adam_debias") else h["lr"] / (1.0 - beta1 ** state["step"])
-        self.weight.add_(self._grad, alpha=-step_size * float(trust))
+        self.stepped.add_(self._grad, alpha=-step_size * float(trust))
         self._grad = None
 
 
@@ -314,10 +343,10 @@ class AdafactorTable(CrossShardOptimizer):
         self._touched: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, grads) between the halves
 
     def _fresh_state(self, state):
-        (rows, cols), local = self.geometry.table_shape, self.weight.shape
+        (rows, cols), local = self.geometry.table_shape, self.stepped.shape
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        state["row_var"] = self.weight.new_zeros(local[0] if self.geometry.axis == 0 else rows, 1)
-        state["col_var"] = self.weight.new_zeros(1, local[1] if self.geometry.axis == 1 else cols)
+        state["row_var"] = self.stepped.new_zeros(local[0] if self.geometry.axis == 0 else rows, 1)
+        state["col_var"] = self.stepped.new_zeros(1, local[1] if self.geometry.axis == 1 else cols)
 
     def partials(self, ids, grads, state, h):
         # Untouched rows have a zero gradient: they add nothing to the sums, their factor
@@ -329,9 +358,9 @@ class AdafactorTable(CrossShardOptimizer):
         beta = float(state["step"]) ** h["beta2_decay"]
         rows, cols = self.geometry.table_shape
         square = grads * grads
-        weight_sq = _square_norm(self.weight)  # before weight decay
+        weight_sq = _square_norm(self.stepped)  # before weight decay
         if h["weight_decay"] != 0:
-            self.weight.mul_(1 - h["lr"] * h["weight_decay"])
+            self.stepped.mul_(1 - h["lr"] * h["weight_decay"])
         self._touched = ids, grads
         flag = torch.tensor(float(self._floor_bound), dtype=torch.float64)
         if self.geometry.axis == 0:  # whole rows here: the row factor is local
@@ -349,7 +378,7 @@ class AdafactorTable(CrossShardOptimizer):
         return torch.cat([weight_sq[None], torch.zeros(1, dtype=torch.float64), flag[None], per_row.flatten()])
 
     def complete(self, stats):
-        h, state = self.group.param_group, self._optimizer.state[self.weight]
+        h, state = self.group.param_group, self._optimizer.state[self.stepped]
         if stats[2] > 0:
             raise ValueError(
                 f"table {self.name!r}: at the last step Adafactor's variance floor eps1**2 bound an element "
@@ -357,16 +386,16 @@ class AdafactorTable(CrossShardOptimizer):
                 "use table_wise or data_parallel for this table, or a smaller eps[0]"
             )
         rows, cols = self.geometry.table_shape
-        eps1 = h["eps"][0] if h["eps"][0] is not None else torch.finfo(self.weight.dtype).eps
+        eps1 = h["eps"][0] if h["eps"][0] is not None else torch.finfo(self.stepped.dtype).eps
         beta = float(state["step"]) ** h["beta2_decay"]
         n = (stats.numel() - 3) // 2
         summed, over = stats[3 : 3 + n], stats[3 + n :]
         if self.geometry.axis == 0:
-            state["col_var"].lerp_((summed / rows).to(self.weight.dtype)[None, :], beta)
+            state["col_var"].lerp_((summed / rows).to(self.stepped.dtype)[None, :], beta)
             mean_row = float(stats[1]) / rows
             other = state["col_var"][0].double()
         else:
-            state["row_var"].lerp_((summed / cols).to(self.weight.dtype)[:, None], beta)
+            state["row_var"].lerp_((summed / cols).to(self.stepped.dtype)[:, None], beta)
             mean_row = float(state["row_var"].double().mean())
             other = state["row_var"][:, 0].double()
         floor = max(mean_row, eps1)
@@ -378,7 +407,7 @@ class AdafactorTable(CrossShardOptimizer):
         denom = max(1.0, update_sq**0.5 / ((rows * cols) ** 0.5 * h["d"]))
         step = float(state["step"])
         alpha = max(h["eps"][1], float(stats[0]) ** 0.5 / (rows * cols) ** 0.5) * min(h["lr"], 1 / step**0.5)
-        self.weight.index_add_(0, ids, update, alpha=-alpha / denom)
+        self.stepped.index_add_(0, ids, update, alpha=-alpha / denom)
         self._touched = None
 
 
@@ -390,27 +419,27 @@ class AdafactorVector(CrossShardOptimizer):
 
     def _fresh_state(self, state):
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        state["variance"] = torch.zeros_like(self.weight)
+        state["variance"] = torch.zeros_like(self.stepped)
 
     def partials(self, ids, grads, state, h):
         grad = self.whole_gradient(ids, grads)
         if "variance" not in state:
             self._fresh_state(state)
         state["step"] += 1
-        weight_sq = torch.linalg.vector_norm(self.weight, dtype=torch.float64).square()
+        weight_sq = torch.linalg.vector_norm(self.stepped, dtype=torch.float64).square()
         if h["weight_decay"] != 0:
-            self.weight.mul_(1 - h["lr"] * h["weight_decay"])
+            self.stepped.mul_(1 - h["lr"] * h["weight_decay"])
         state["variance"].lerp_(grad * grad, float(state["step"]) ** h["beta2_decay"])
-        eps1 = h["eps"][0] if h["eps"][0] is not None else torch.finfo(self.weight.dtype).eps
+        eps1 = h["eps"][0] if h["eps"][0] is not None else torch.finfo(self.stepped.dtype).eps
         self._grad = state["variance"].clamp(min=eps1 * eps1).rsqrt_().mul_(grad)
         return torch.stack([weight_sq, torch.linalg.vector_norm(self._grad, dtype=torch.float64).square()])
 
     def complete(self, stats):
-        h, state = self.group.param_group, self._optimizer.state[self.weight]
+        h, state = self.group.param_group, self._optimizer.state[self.stepped]
         root = self.geometry.numel**0.5
         alpha = max(h["eps"][1], float(stats[0]) ** 0.5 / root) * min(h["lr"], 1 / float(state["step"]) ** 0.5)
         denom = max(1.0, float(stats[1]) ** 0.5 / (root * h["d"]))
-        self.weight.add_(self._grad, alpha=-alpha / denom)
+        self.stepped.add_(self._grad, alpha=-alpha / denom)
         self._grad = None
 
 
@@ -442,16 +471,16 @@ class CameTable(CrossShardOptimizer):
         return _nbytes(shard_shape, dtype)  # the gradient
 
     def _fresh_state(self, state):
-        (rows, cols), (local_rows, local_cols) = self.geometry.table_shape, self.weight.shape
+        (rows, cols), (local_rows, local_cols) = self.geometry.table_shape, self.stepped.shape
         own_rows = local_rows if self.geometry.axis == 0 else rows
         own_cols = local_cols if self.geometry.axis == 1 else cols
         state["step"] = 0
-        state["exp_avg"] = torch.zeros_like(self.weight)
-        state["exp_avg_sq_row"] = self.weight.new_zeros(own_rows)
-        state["exp_avg_sq_col"] = self.weight.new_zeros(own_cols)
-        state["exp_avg_res_row"] = self.weight.new_zeros(own_rows)
-        state["exp_avg_res_col"] = self.weight.new_zeros(own_cols)
-        state["RMS"] = self.weight.new_zeros(())
+        state["exp_avg"] = torch.zeros_like(self.stepped)
+        state["exp_avg_sq_row"] = self.stepped.new_zeros(own_rows)
+        state["exp_avg_sq_col"] = self.stepped.new_zeros(own_cols)
+        state["exp_avg_res_row"] = self.stepped.new_zeros(own_rows)
+        state["exp_avg_res_col"] = self.stepped.new_zeros(own_cols)
+        state["RMS"] = self.stepped.new_zeros(())
 
     def partials(self, ids, grads, state, h):
         grad = self.whole_gradient(ids, grads)
@@ -461,7 +490,7 @@ class CameTable(CrossShardOptimizer):
         beta2, (eps1, _) = h["betas"][1], h["eps"]
         square = grad * grad
         sq = square + eps1
-        weight_sq = _square_norm(self.weight)[None]
+        weight_sq = _square_norm(self.stepped)[None]
         m_old = state["exp_avg"].double()
         self._grad = grad
         if self.geometry.axis == 0:  # whole rows here: the row factor is local
@@ -476,10 +505,10 @@ class CameTable(CrossShardOptimizer):
         return torch.cat([weight_sq, sq.double().sum(1), (k * k).sum(1), (k * m_old).sum(1), (m_old * m_old).sum(1)])
 
     def complete(self, stats):
-        h, state = self.group.param_group, self._optimizer.state[self.weight]
+        h, state = self.group.param_group, self._optimizer.state[self.stepped]
         (beta1, beta2, beta3), (_, eps2) = h["betas"], h["eps"]
         rows, cols = self.geometry.table_shape
-        state["RMS"] = (stats[0] / (rows * cols)).sqrt().to(self.weight.dtype)
+        state["RMS"] = (stats[0] / (rows * cols)).sqrt().to(self.stepped.dtype)
         row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
         if self.geometry.axis == 0:
             summed, h2, hm, m2 = stats[3:].view(4, cols)
@@ -510,8 +539,8 @@ class CameTable(CrossShardOptimizer):
             mean_res_row = float(res_row.double().mean())
         step = (res_row / mean_res_row).rsqrt_()[:, None] * res_col.rsqrt()[None, :] * exp_avg
         if h["weight_decay"] != 0:
-            self.weight.add_(self.weight, alpha=-h["weight_decay"] * h["lr"])
-        self.weight.add_(-(step * h["lr"]))
+            self.stepped.add_(self.stepped, alpha=-h["weight_decay"] * h["lr"])
+        self.stepped.add_(-(step * h["lr"]))
         self._grad = None
 
 
@@ -522,9 +551,9 @@ class CameVector(CrossShardOptimizer):
 
     def _fresh_state(self, state):
         state["step"] = 0
-        state["exp_avg"] = torch.zeros_like(self.weight)
-        state["exp_avg_sq"] = torch.zeros_like(self.weight)
-        state["RMS"] = self.weight.new_zeros(())
+        state["exp_avg"] = torch.zeros_like(self.stepped)
+        state["exp_avg_sq"] = torch.zeros_like(self.stepped)
+        state["RMS"] = self.stepped.new_zeros(())
 
     def partials(self, ids, grads, state, h):
         grad = self.whole_gradient(ids, grads)
@@ -534,18 +563,18 @@ class CameVector(CrossShardOptimizer):
         beta2 = h["betas"][1]
         state["exp_avg_sq"].mul_(beta2).add_(grad * grad + h["eps"][0], alpha=1.0 - beta2)
         self._grad = state["exp_avg_sq"].rsqrt().mul_(grad)
-        weight_sq = torch.linalg.vector_norm(self.weight, dtype=torch.float64).square()
+        weight_sq = torch.linalg.vector_norm(self.stepped, dtype=torch.float64).square()
         return torch.stack([weight_sq, torch.linalg.vector_norm(self._grad, dtype=torch.float64).square()])
 
     def complete(self, stats):
-        h, state = self.group.param_group, self._optimizer.state[self.weight]
+        h, state = self.group.param_group, self._optimizer.state[self.stepped]
         numel, beta1 = self.geometry.numel, h["betas"][0]
-        state["RMS"] = (stats[0] / numel).sqrt().to(self.weight.dtype)
+        state["RMS"] = (stats[0] / numel).sqrt().to(self.stepped.dtype)
         update = self._grad.div_(max(float(stats[1] / numel) ** 0.5 / h["clip_threshold"], 1.0))
         state["exp_avg"].mul_(beta1).add_(update, alpha=1 - beta1)
         if h["weight_decay"] != 0:
-            self.weight.add_(self.weight, alpha=-h["weight_decay"] * h["lr"])
-        self.weight.add_(-(state["exp_avg"] * h["lr"]))
+            self.stepped.add_(self.stepped, alpha=-h["weight_decay"] * h["lr"])
+        self.stepped.add_(-(state["exp_avg"] * h["lr"]))
         self._grad = None
 
 
@@ -566,7 +595,7 @@ class LarsTable(CrossShardOptimizer):
 
     def _fresh_state(self, state):
         if self.group.param_group["momentum"] > 0:
-            state["momentum_buffer"] = torch.zeros_like(self.weight)
+            state["momentum_buffer"] = torch.zeros_like(self.stepped)
         state["step"] = 0
 
     def partials(self, ids, grads, state, h):
@@ -575,18 +604,18 @@ class LarsTable(CrossShardOptimizer):
             self._fresh_state(state)
         state["step"] += 1
         self._grad = grad
-        if self.weight.dim() == 1:
+        if self.stepped.dim() == 1:
             return grad.new_zeros(0, dtype=torch.float64)
-        return torch.stack([self.weight.square().sum(), grad.square().sum()]).double()
+        return torch.stack([self.stepped.square().sum(), grad.square().sum()]).double()
 
     def complete(self, stats):
-        h, state = self.group.param_group, self._optimizer.state[self.weight]
-        grad = self._grad if self.weight.dim() == 1 else self._scaled(stats, h)
+        h, state = self.group.param_group, self._optimizer.state[self.stepped]
+        grad = self._grad if self.stepped.dim() == 1 else self._scaled(stats, h)
         if h["momentum"] > 0:
             buffer = state["momentum_buffer"]
             buffer.mul_(h["momentum"]).add_(grad, alpha=1.0 - h["dampening"])
             grad = grad.add_(buffer, alpha=h["momentum"]) if h["nesterov"] else buffer.clone()
-        self.weight.add_(grad, alpha=-h["lr"])
+        self.stepped.add_(grad, alpha=-h["lr"])
         self._grad = None
 
     def _scaled(self, stats: torch.Tensor, h: dict[str, Any]) -> torch.Tensor:
@@ -594,7 +623,7 @@ class LarsTable(CrossShardOptimizer):
         param_norm, update_norm = stats[0].sqrt().float(), stats[1].sqrt().float()
         denominator = update_norm + h["weight_decay"] * param_norm
         trust = h["trust_coefficient"] * param_norm / denominator if param_norm > 0 and denominator > 0 else 1.0
-        return self._grad.add(self.weight, alpha=h["weight_decay"]).mul_(trust)
+        return self._grad.add(self.stepped, alpha=h["weight_decay"]).mul_(trust)
 
 
 class RowWiseAdagradTable(CrossShardOptimizer):
@@ -636,7 +665,7 @@ class RowWiseAdagradTable(CrossShardOptimizer):
     def _fresh_state(self, state):
         state["step"] = torch.tensor(0.0)
         initial = self.group.param_group["initial_accumulator_value"]
-        state["sum"] = self.weight.new_full((self.weight.shape[0], 1), initial)
+        state["sum"] = self.stepped.new_full((self.stepped.shape[0], 1), initial)
 
     def partials(self, ids, grads, state, h):
         if "sum" not in state:
@@ -647,13 +676,13 @@ class RowWiseAdagradTable(CrossShardOptimizer):
         return per_row.index_copy_(0, ids, grads.double().square().sum(1))
 
     def complete(self, stats):
-        h, state = self.group.param_group, self._optimizer.state[self.weight]
+        h, state = self.group.param_group, self._optimizer.state[self.stepped]
         ids, grads = self._touched
         total = state["sum"]
         total.index_add_(0, ids, (stats.index_select(0, ids) / self.geometry.table_shape[1]).to(total.dtype)[:, None])
         std = total.index_select(0, ids).sqrt_().add_(h["eps"])
         step_size = h["lr"] / (1 + (float(state["step"]) - 1) * h["lr_decay"])
-        self.weight.index_add_(0, ids, grads / std, alpha=-step_size)
+        self.stepped.index_add_(0, ids, grads / std, alpha=-step_size)
         self._touched = None
 
 
@@ -675,7 +704,7 @@ class MuonTable(CrossShardOptimizer):
         return rows * cols
 
     @classmethod
-    def step_bytes(cls, geometry, shard_shape, dtype=torch.float32):
+    def _math_bytes(cls, geometry, shard_shape, dtype):
         """The round's slot at its peak: the whole matrix contributed in ``dtype``, and in float64 the
         buffer, a copy and the sum (28 bytes an element of the table, for float32). Outside the
         round, the shard's gradient, its Nesterov update and the matrix are less; so are, in the
@@ -685,7 +714,7 @@ class MuonTable(CrossShardOptimizer):
         return max(outside, EndOfBackwardRound.slot_bytes(cls.slot_size(geometry), dtype))
 
     def _fresh_state(self, state):
-        state["momentum_buffer"] = torch.zeros_like(self.weight)
+        state["momentum_buffer"] = torch.zeros_like(self.stepped)
 
     def partials(self, ids, grads, state, h):
         grad = self.whole_gradient(ids, grads)
@@ -700,15 +729,15 @@ class MuonTable(CrossShardOptimizer):
 
     def complete(self, stats):
         h, shape = self.group.param_group, self.geometry.table_shape
-        whole = stats.view(shape).to(self.weight.dtype)
+        whole = stats.view(shape).to(self.stepped.dtype)
         ortho = _private.muon_orthogonalized(whole, h["ns_coefficients"], h["ns_steps"], h["eps"])
-        self.weight.mul_(1 - h["lr"] * h["weight_decay"])
+        self.stepped.mul_(1 - h["lr"] * h["weight_decay"])
         lr = _private.muon_adjusted_lr(h["lr"], h["adjust_lr_fn"], torch.Size(shape))
-        self.weight.add_(self._block(ortho), alpha=-lr)
+        self.stepped.add_(self._block(ortho), alpha=-lr)
 
     def _block(self, whole: torch.Tensor) -> torch.Tensor:
         """This shard's block of a table-shaped tensor."""
-        (row, col), (rows, cols) = self.geometry.offsets, self.weight.shape
+        (row, col), (rows, cols) = self.geometry.offsets, self.stepped.shape
         return whole[row : row + rows, col : col + cols]
 
 

@@ -128,10 +128,11 @@ class CrossShardStep:
         self.round, self.param = round_, param
         self.shard: CrossShardOptimizer = implementation(local, group, name, geometry, round_)
         sharded = set(sharded_state_layouts(group.spec, 0, param.dim()))
-        # The live optimizer's own dict, looked up at each access (a checkpoint load replaces it).
-        state = LocalState(lambda: live_optimizer(param).state[param], param, sharded)
-        self.shard._optimizer.state[local] = state
-        set_state_maker(param, lambda: self.shard._fresh_state(state))
+        # The live optimizer's own dict, looked up at each access (a checkpoint load replaces it), under the
+        # tensor the shard steps (the shard itself, or a low-precision shard's float32 copy).
+        self.shard._optimizer.state[self.shard.stepped] = LocalState(
+            lambda: live_optimizer(param).state[param], param, sharded)
+        set_state_maker(param, self.shard._make_placeholder)  # zeros, kept in the group's state_dtype
 
     def __call__(self, param: torch.Tensor) -> None:
         grad = param.grad.to_local()
@@ -261,12 +262,6 @@ def _check_parameters(recorded: dict, custom_placement: bool) -> None:
         if group is None or _elementwise_on_dim0(group.spec, param, custom_placement):
             continue
         spec = group.spec
-        if group.state_dtype is not None:
-            raise ValueError(
-                f"parameter {name!r} (shape {tuple(param.shape)}) is annotated with {spec.name} and "
-                f"state_dtype={group.state_dtype}: its update across FSDP shards keeps its own state, which has no "
-                "low-precision form yet; annotate it without state_dtype, or keep this module out of fully_shard"
-            )
         if cross_shard_class(spec.optimizer_class, param.dim()) is None or custom_placement:
             raise ValueError(
                 f"parameter {name!r} (shape {tuple(param.shape)}) is annotated with {spec.name}, which does not "

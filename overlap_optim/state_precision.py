@@ -11,8 +11,9 @@ Every update of such a parameter runs inside :func:`in_float32`, which hands the
 working copies of the stored state and writes them back rounded: the per-parameter step, the
 multi-tensor update of a virtual group (the DDP hook, FSDP2 groups), and the table optimizer of
 a fallback table (which keeps its rows' state in ``state_dtype`` and reads the touched rows in
-float32). The kinds that cannot (FBGEMM's kernels on CPU, whole-shard and cross-shard tables)
-are refused by table, or do not fuse.
+float32). A whole-shard or cross-shard table's step, whose two halves a round may separate, takes
+:func:`working` copies when it starts and :func:`write_back` when it ends. FBGEMM's kernels on
+CPU cannot: such tables do not fuse.
 
 Example:
     >>> apply_optimizer_in_backward(torch.optim.Adam, ebc.parameters(), {"lr": 0.05}, state_dtype=torch.bfloat16)
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["STATE_DTYPES", "check_state_dtype", "stored", "in_float32"]
+__all__ = ["STATE_DTYPES", "check_state_dtype", "stored", "working", "write_back", "in_float32"]
 
 STATE_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -61,20 +62,31 @@ def _working(value: Any) -> Any:
     return value
 
 
+def working(states: list[dict[str, Any]], state_dtypes: list[torch.dtype | None]) -> list[dict[str, Any]]:
+    """Float32 working dicts for ``states`` (one per tensor, each kept in its ``state_dtypes``
+    entry): a new dict of float32 copies for a low-precision state, the dict itself for float32
+    state (None). :func:`write_back` stores them once stepped."""
+    return [state if dtype is None else {k: _working(v) for k, v in state.items()}
+            for state, dtype in zip(states, state_dtypes)]
+
+
+def write_back(
+    states: list[dict[str, Any]], work: list[dict[str, Any]], state_dtypes: list[torch.dtype | None]
+) -> None:
+    """Write each stepped working dict of :func:`working` into its stored dict, rounded to its
+    state dtype (to nearest even); the stored dicts stay the same objects (live optimizers hold them)."""
+    for state, stepped, dtype in zip(states, work, state_dtypes):
+        if dtype is not None:
+            state.update({k: stored(v, dtype) for k, v in stepped.items()})
+
+
 @contextlib.contextmanager
 def in_float32(
     states: list[dict[str, Any]], state_dtypes: list[torch.dtype | None]
 ) -> Iterator[list[dict[str, Any]]]:
-    """Float32 working dicts for ``states`` (one per tensor, each kept in its ``state_dtypes``
-    entry; None: float32, the dict itself); once the body has stepped them, each is written back
-    into its stored dict, rounded (the stored dicts stay the same objects: live optimizers hold
-    them). If the body raises, nothing is written back."""
-    if all(dtype is None for dtype in state_dtypes):
-        yield states
-        return
-    work = [state if dtype is None else {k: _working(v) for k, v in state.items()}
-            for state, dtype in zip(states, state_dtypes)]
+    """:func:`working` dicts for ``states`` (one per tensor, each kept in its ``state_dtypes``
+    entry; None: float32, the dict itself); once the body has stepped them, :func:`write_back`.
+    If the body raises, nothing is written back."""
+    work = working(states, state_dtypes)
     yield work
-    for state, stepped, dtype in zip(states, work, state_dtypes):
-        if dtype is not None:
-            state.update({k: stored(v, dtype) for k, v in stepped.items()})
+    write_back(states, work, state_dtypes)

@@ -14,17 +14,20 @@
 
 from __future__ import annotations
 
+from math import prod as math_prod
 from typing import Any, ClassVar
 
 import torch
 
 from overlap_optim import row_pass
 from overlap_optim.spec import AnnotationGroup
+from overlap_optim.state_precision import stored, working, write_back
 from overlap_optim.update import versions
 from overlap_optim.virtual_groups import VirtualKey, multi_tensor_step, virtual_key
 
 __all__ = [
     "TableOptimizer", "RowOptimizer", "DenseTableOptimizer", "step_tables", "step_touched", "sum_rows", "math_dtype",
+    "copy_bytes",
 ]
 
 
@@ -308,9 +311,13 @@ class DenseTableOptimizer(TableOptimizer):
     too. Exact for any optimizer while the table is whole, and on a shard split
     along an axis the optimizer is separable by. Cost follows the shard size.
 
-    A table stored in FP16 or BF16 steps a float32 copy of the shard made for the step (its
-    state float32), rounded once into the table after it: one shard-sized float32 buffer at the
-    step's peak, none between steps.
+    Each step runs between :meth:`ready` and :meth:`close` (a cross-shard form's two halves
+    included, whatever a round does between them). A table stored in FP16 or BF16 steps
+    :attr:`stepped`, a float32 copy of the shard made for the step, rounded once into the table
+    when it closes: one shard-sized float32 buffer at the step's peak, none between steps. State
+    kept in an annotation's ``state_dtype`` steps as float32 working copies, rounded into the
+    stored state when the step closes (:mod:`overlap_optim.state_precision`); otherwise it is
+    float32 (:func:`math_dtype`).
     """
 
     semantics = "dense"
@@ -318,10 +325,15 @@ class DenseTableOptimizer(TableOptimizer):
     def __init__(self, weight: torch.Tensor, group: AnnotationGroup, name: str = "?") -> None:
         super().__init__(weight, group, name)
         self.math_dtype = math_dtype(weight.dtype)
+        self.state_dtype = group.state_dtype  # None: its state is kept in math_dtype
         # What the optimizer steps: the table itself, or (low precision) a tensor whose storage is the
         # step's float32 copy, empty between steps; the optimizer's state is keyed by it.
-        self._stepped = weight if self.math_dtype == weight.dtype else weight.detach().to(self.math_dtype)
-        self._optimizer = group.spec.make([self._stepped])
+        self.stepped = weight if self.math_dtype == weight.dtype else weight.detach().to(self.math_dtype)
+        self._optimizer = group.spec.make([self.stepped])
+        self._kept: dict[str, Any] | None = None  # the stored state, while a step works on float32 copies
+        made = self._optimizer.state.pop(self.stepped, None)
+        if made:  # state its constructor makes (Adagrad's sum) is kept as any state is: in its dtype
+            self._set_state(made)
         self._release()
 
     @torch.no_grad()
@@ -330,35 +342,60 @@ class DenseTableOptimizer(TableOptimizer):
         stepped, stepped.grad, _ = self.prepare(ids, grads)
         try:
             self.group.step(self._optimizer, stepped)
-            self.finish(ids, stepped, {})
+        except BaseException:
+            self._abandon()
+            raise
         finally:
             stepped.grad = None
-            self._release()
+        self.close()
 
     def prepare(self, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        """``(the table (low precision: its float32 copy), its whole gradient, its torch.optim state)``,
-        updated in place by the caller; :meth:`finish` writes a copy back."""
+        """``(`` :attr:`stepped` ``, its whole gradient, its torch.optim state)``, updated in place
+        by the caller; :meth:`finish` closes the step."""
         state = self.ready()
-        if self._stepped is not self.weight:
-            self._stepped.data = self.weight.to(self.math_dtype)
-        return self._stepped, self.whole_gradient(ids, grads), state
+        return self.stepped, self.whole_gradient(ids, grads), state
 
     @torch.no_grad()
     def finish(self, ids: torch.Tensor, stepped_tensor: torch.Tensor, stepped: dict[str, Any]) -> None:
-        if stepped_tensor is not self.weight:
-            self.weight.copy_(stepped_tensor)  # the one rounding, to nearest even
-            self._release()
+        self.close()
+
+    def ready(self) -> dict[str, Any]:
+        """Open a step: check the live settings, drop a placeholder state, make the float32 copy of
+        a low-precision table and the float32 working copies of low-precision state; return the
+        torch.optim state to update in place. A step opened before and never closed (its round
+        discarded after an error) is forgotten."""
+        self.group.spec.check_live(self.param_group, f"table {self.name!r}")
+        self.drop_placeholder_state()
+        self._abandon()
+        if self.stepped is not self.weight:
+            self.stepped.data = self.weight.to(self.math_dtype)
+        self._kept = self._optimizer.state[self.stepped]
+        (work,) = working([self._kept], [self.state_dtype])
+        self._optimizer.state[self.stepped] = work
+        return work
+
+    @torch.no_grad()
+    def close(self) -> None:
+        """Close the step :meth:`ready` opened: the float32 copy rounded once into the table, the
+        working state into the stored state (each to nearest even); the copy freed."""
+        if self.stepped is not self.weight:
+            self.weight.copy_(self.stepped)
+        write_back([self._kept], [self._optimizer.state[self.stepped]], [self.state_dtype])
+        self._optimizer.state[self.stepped] = self._kept
+        self._kept = None
+        self._release()
+
+    def _abandon(self) -> None:
+        """Forget an open step: the stored state put back, the copy freed, the table unchanged."""
+        if self._kept is not None:
+            self._optimizer.state[self.stepped] = self._kept
+            self._kept = None
+        self._release()
 
     def _release(self) -> None:
         """Free the step's float32 copy (low precision)."""
-        if self._stepped is not self.weight:
-            self._stepped.data = self._stepped.new_empty(0)
-
-    def ready(self) -> dict[str, Any]:
-        """Check the live settings, drop a placeholder state; the torch.optim state to update in place."""
-        self.group.spec.check_live(self.param_group, f"table {self.name!r}")
-        self.drop_placeholder_state()
-        return self._optimizer.state[self._stepped]
+        if self.stepped is not self.weight:
+            self.stepped.data = self.stepped.new_empty(0)
 
     def whole_gradient(self, ids: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
         """The shard's gradient: ``grads`` at rows ``ids``, zero elsewhere (float32 for a low-precision table)."""
@@ -368,7 +405,7 @@ class DenseTableOptimizer(TableOptimizer):
 
     @property
     def state(self) -> dict[str, Any]:
-        return dict(self._optimizer.state.get(self._stepped, {}))
+        return dict(self._optimizer.state.get(self.stepped, {}))
 
     @torch.no_grad()
     def _make_placeholder(self) -> None:
@@ -379,16 +416,26 @@ class DenseTableOptimizer(TableOptimizer):
         self.weight.copy_(kept)
 
     def _clear_state(self) -> None:
+        self._kept = None
         self._optimizer.state.clear()
 
     def _set_state(self, state: dict[str, Any]) -> None:
-        self._optimizer.state[self._stepped] = state
+        # loaded in another dtype than the state is kept in: cast once, to nearest even
+        dtype = self.state_dtype or self.math_dtype
+        self._optimizer.state[self.stepped] = {k: stored(v, dtype) for k, v in state.items()}
 
 
 def math_dtype(stored: torch.dtype) -> torch.dtype:
     """The dtype a table's update computes in, and its state's: float32 for a table stored in
     FP16 or BF16, the table's own dtype otherwise."""
     return torch.float32 if stored in (torch.float16, torch.bfloat16) else stored
+
+
+def copy_bytes(shape: tuple[int, ...], stored: torch.dtype) -> int:
+    """Bytes of the float32 copy that a :class:`DenseTableOptimizer` step of a shard of ``shape``
+    stored in ``stored`` holds (:attr:`DenseTableOptimizer.stepped`): none for a float32 shard."""
+    math = math_dtype(stored)
+    return 0 if math == stored else math.itemsize * math_prod(shape)
 
 
 def step_tables(updates: list[tuple[TableOptimizer, torch.Tensor, torch.Tensor]]) -> None:

@@ -26,6 +26,10 @@ class CrossShardTable(FallbackTable):
 
     kind = KernelKind.CROSS_SHARD
     semantics = "dense"
+    # Each shard's step (both halves) on a float32 copy of the shard and float32 working copies of
+    # state_dtype state, rounded once into the table and the state when the round has finished it.
+    precisions = frozenset({torch.float32, torch.float16, torch.bfloat16})
+    low_precision_state = True
 
     def _geometry(self, offsets: tuple[int, int] = (0, 0)) -> Geometry:
         return Geometry(self.decision.shape, tuple(offsets), split_axis(self.decision.sharding_type))

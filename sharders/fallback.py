@@ -33,7 +33,7 @@ from overlap_optim.clipping import GradientClipping
 from overlap_optim.gradient_path import take
 from overlap_optim.record import live_optimizers, set_live_optimizers
 from overlap_optim.table_optimizer import (
-    DenseTableOptimizer, RowOptimizer, TableOptimizer, step_tables, step_touched, sum_rows,
+    DenseTableOptimizer, RowOptimizer, TableOptimizer, copy_bytes, math_dtype, step_tables, step_touched, sum_rows,
 )
 from sharders import _private
 from sharders.kernels import BuildContext, KernelKind, LocalShard, TableKernel
@@ -135,15 +135,19 @@ class DenseTable(FallbackTable):
 
     kind = KernelKind.DENSE
     semantics = "dense"
-    # The shard stepped as a float32 copy made for the step, rounded once into the table after it.
+    # The shard stepped as a float32 copy made for the step, rounded once into the table after it;
+    # state_dtype state stepped as float32 copies, rounded once into the stored state after it.
     precisions = frozenset({torch.float32, torch.float16, torch.bfloat16})
+    low_precision_state = True
 
     def make_optimizer(self, weight: torch.Tensor, config: Any, context: BuildContext) -> TableOptimizer:
         return DenseTableOptimizer(weight, self.group, self.table)
 
     def step_bytes(self, shard_shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> int:
-        """Each step makes the shard's whole gradient (zeros where untouched)."""
-        return shard_shape[0] * shard_shape[1] * torch.empty(0, dtype=dtype).element_size()
+        """Each step makes the shard's whole gradient (zeros where untouched), float32 for an FP16 or
+        BF16 shard, and then that shard's float32 copy."""
+        gradient = shard_shape[0] * shard_shape[1] * math_dtype(dtype).itemsize
+        return gradient + copy_bytes(tuple(shard_shape), dtype)
 
     def runs_as(self) -> str:
         return "fallback: torch.optim on the whole table"

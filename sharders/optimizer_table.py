@@ -141,16 +141,16 @@ def decide(
         raise NotImplementedError(
             f"table {table!r} is annotated with state_dtype={group.state_dtype} and runs as "
             f"{kind.kind.value if hasattr(kind.kind, 'value') else kind.kind} ({sharding_type}), which keeps its "
-            "optimizer state in float32 only; low-precision state runs in the fallback on touched rows and in "
-            "the DDP hook (data_parallel); annotate the table without state_dtype"
+            "optimizer state in float32 only; low-precision state runs in the fallback (touched rows, whole "
+            "shards, cross-shard tables) and in the DDP hook (data_parallel); annotate the table without state_dtype"
         )
     if dtype not in kind.precisions:
         raise NotImplementedError(
             f"table {table!r} holds its weights in {_DTYPE_NAMES.get(dtype, dtype)} and runs as "
             f"{kind.kind.value if hasattr(kind.kind, 'value') else kind.kind} ({sharding_type}), which is exact in "
-            f"float32 only: {kind.float32_only}. Low-precision tables run in the fallback on touched rows "
-            "(a model-parallel sharding type, a row-separable optimizer, not in dense_tables); or build the table "
-            "with data_type=DataType.FP32"
+            f"float32 only: {kind.float32_only}. Low-precision tables run in the fallback (touched rows, whole "
+            "shards, cross-shard tables) on a model-parallel sharding type; or build the table with "
+            "data_type=DataType.FP32"
         )
     return TableDecision(table, sharding_type, shape, group, choice, kind.kind, device_type, clip, dtype)
 

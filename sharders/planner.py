@@ -146,7 +146,9 @@ class FittingEnumerator(EmbeddingEnumerator):
             kernel = self._kernel_of(option)
             if isinstance(kernel, TableKernel):
                 for shard in option.shards:
-                    extra = kernel.state_bytes(tuple(shard.size)) + kernel.step_bytes(tuple(shard.size))
+                    # state: float32 unless annotated with a state_dtype; a step's buffers: by the weight's dtype
+                    shape = tuple(shard.size)
+                    extra = kernel.state_bytes(shape) + kernel.step_bytes(shape, option.tensor.dtype)
                     shard.storage = shard.storage + self._placed(option, extra)
 
     def _kernel_of(self, option: ShardingOption) -> TableKernel | str | None:

@@ -70,25 +70,25 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(
         "low_precision_table",
         "an FP16 or BF16 table (EmbeddingBagConfig(data_type=DataType.FP16)) that does not run in the fallback: "
-        "data_parallel, frozen or stepped by the user's optimizer, a layer-wise optimizer on a table split "
-        "across ranks, or RowWiseAdagrad on column shards",
+        "data_parallel, frozen or stepped by the user's optimizer",
         "shard",
         "the exact reference (torch.optim in float32 on the stored weights, rounded once) is built for the "
-        "fallback (touched rows, or the whole shard); data_parallel would reduce and step a gradient in the "
-        "stored dtype, and the cross-shard forms have no low-precision form yet",
+        "fallback (touched rows, the whole shard, or a cross-shard table's shards); data_parallel would reduce "
+        "and step a gradient in the stored dtype",
         "the fallback on a model-parallel sharding type, or fused where our compiled backward steps FP16 "
         "(FBGEMM's own CPU backward rounds twice and it has no BF16 kernels), or a float32 table",
         r"holds its weights in (FP16|BF16) and runs as",
     ),
     Refusal(
         "low_precision_state",
-        "state_dtype=torch.bfloat16 (or float16) on a table that does not run in the fallback on touched rows "
-        "or in the DDP hook (dense_tables, a layer-wise or cross-shard form), or on a parameter that FSDP2 steps "
-        "across its shards",
+        "state_dtype=torch.bfloat16 (or float16) on a table of a kind that keeps its state in float32 only: a "
+        "kind added outside the package whose low_precision_state is False (every built-in kind that steps a "
+        "table keeps state_dtype: the fallback on touched rows, on whole shards and across shards, the DDP hook)",
         "shard",
-        "those forms keep their own float32 state, with no low-precision form yet",
-        "the fallback on a model-parallel sharding type, data_parallel, or no state_dtype",
-        r"state_dtype=torch\.(bfloat16|float16).*(keeps its optimizer state in float32 only|no low-precision form)",
+        "that kind keeps its own float32 state, with no low-precision form",
+        "a built-in kind, or no state_dtype",
+        r"state_dtype=torch\.(bfloat16|float16).*keeps its optimizer state in float32 only",
+        sampled=False,  # the promise matrix draws the built-in kinds only
     ),
     Refusal(
         "not_separable",

@@ -388,29 +388,37 @@ def vector_setting(name: str) -> tuple:
     return cls, {"weight_decay": 0.05, **kwargs}
 
 
-def layerwise_vectors(rank, world_size, name, steps=4, statistics=True):
+def layerwise_vectors(rank, world_size, name, steps=4, statistics=True, state_dtype=None):
     """Every parameter of the MLP with the layer-wise optimizer ``name`` (of VECTORS), its biases of 5, 3
     and 1 elements included (rank 1 holds 2, 1 and none of them), against the package on one process,
     every step. Returns the differences after each step (of any parameter, of the biases), how far the
     reference moved its parameters, the all-reduces per step, the local sizes of the biases, and the
-    state against the reference's (:func:`_state_against`); with ``statistics`` off, the mutation."""
+    state against the reference's (:func:`_state_against`); with ``statistics`` off, the mutation. With
+    ``state_dtype`` (the annotation's), the reference rounds each state tensor to it after each step, and
+    ``"state_dtypes"`` are those of our state tensors."""
+    from _precision_bodies import round_state
+
     cls, kwargs = vector_setting(name)
     model = mlp()
     reference = copy.deepcopy(model)
-    overlap_optim.apply_optimizer_in_backward(cls, model.parameters(), kwargs)
+    overlap_optim.apply_optimizer_in_backward(cls, model.parameters(), kwargs, state_dtype=state_dtype)
     ref_opt = cls(reference.parameters(), **kwargs)
     start = [p.detach().clone() for p in reference.parameters()]
     overlap_optim.fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
     if not statistics:
         _make_rounds_local(model)
     by_name = {}
-    with _all_reduces() as reduces:
-        diffs = train(model, reference, [ref_opt], rank, world_size, steps, by_name=by_name)
+    with _all_reduces() as reduces:  # the reference's state rounded after each step: before the next, and at the end
+        diffs = train(model, reference, [ref_opt], rank, world_size, steps, by_name=by_name,
+                      before_step=lambda step: round_state(ref_opt, state_dtype))
+    round_state(ref_opt, state_dtype)
+    state = overlap_optim.get_optimizers(model).state_dict()["state"]
+    dtypes = sorted({str(v.dtype) for entry in state.values() for v in entry.values() if torch.is_tensor(v) and v.dim()})
     biases = [n for n, p in model.named_parameters() if p.dim() == 1]
     return {"diffs": diffs, "bias_diffs": [max(step) for step in zip(*(by_name[n] for n in biases))],
             "moved": min((p.detach() - s).abs().max().item() for p, s in zip(reference.parameters(), start)),
             "all_reduces_per_step": len(reduces) / steps,
-            "bias_rows": [model.get_parameter(n).to_local().shape[0] for n in biases],
+            "bias_rows": [model.get_parameter(n).to_local().shape[0] for n in biases], "state_dtypes": dtypes,
             **_state_against(model, reference, ref_opt)}
 
 

@@ -474,12 +474,6 @@ def _sharding_types(config: Config, other_plan: bool) -> dict[str, str]:
             new = "table_wise"
         if t.optimizer == "rowwise_adagrad_wd" and new in ("column_wise", "table_column_wise"):
             new = "table_wise"
-        # split so, it would need a cross-shard form, which has no FP16/BF16 form (refused): keep it whole
-        layer_wise = t.optimizer not in NO_OPTIMIZER and OPTIMIZERS[t.optimizer][2]
-        splits = ("row_wise", "table_row_wise", "column_wise", "table_column_wise") if layer_wise else (
-            ("column_wise", "table_column_wise") if t.optimizer.startswith("rowwise_adagrad") else ())
-        if t.precision != "fp32" and new in splits:
-            new = "table_wise"
         if config.vbe and t.mean and new in ("row_wise", "table_row_wise"):  # refused (docs/refusals.md)
             new = "column_wise"
         out[t.name] = new

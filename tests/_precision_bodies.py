@@ -18,6 +18,7 @@ from torchrec import KeyedJaggedTensor
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.modules.embedding_configs import DataType
+from pytorch_optimizer import Lamb
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 import overlap_optim
@@ -34,6 +35,7 @@ OPTIMIZERS = {
     "adam": (torch.optim.Adam, {"lr": 0.05}),
     "adamw": (torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1}),
     "adafactor": (torch.optim.Adafactor, {"lr": 0.05}),
+    "lamb": (Lamb, {"lr": 0.02, "weight_decay": 0.01}),  # pytorch-optimizer's, as a user would build it
 }
 # The reference's own torch.optim options, where they matter: ours steps AdamW's rows with torch's fused
 # CPU kernel (what AdamW(fused=True) calls), whose decoupled decay rounds in float32 otherwise than the
@@ -151,20 +153,23 @@ class _Reference:
 
 
 def train(rank, world_size, dtype, optimizer, sharding_type, pooled=True, steps=4, mutant=None, state_dtype=None,
-          reload=False, fallback=False):
+          reload=False, split=False, dense=False, fallback=False):
     """Ours against the stated reference; ``{"ulps": worst per step, "step_ulps": the same against a
     reference that reads our weights at the start of each step (one step's own difference, not fed
     back through the loss), "moved": ulps the reference moved, "state": dtypes of the optimizer
-    state, "runs": describe()'s "runs as" of each kernel}``. ``fallback``: the tables pinned to the
-    fallback. ``mutant``: "round_gradient" (the gradient rounded to the stored dtype before the
-    update) or "master_copy" (a float32 copy kept between steps: the final rounding skipped). ``state_dtype``: the
-    annotation's. ``reload``: mid-run, the optimizer's state_dict() loaded into a fresh model."""
+    state}``. ``mutant``: "round_gradient" (the gradient rounded to the stored dtype before the
+    update) or "master_copy" (a float32 copy kept between steps: the final rounding skipped), on touched rows, or
+    "dense_master_copy" on whole-shard and cross-shard tables. ``state_dtype``: the annotation's. ``reload``:
+    mid-run, the optimizer's state_dict() loaded into a fresh model. ``split``: column_wise in two shards of 8
+    columns (else TorchRec keeps 16 columns in one). ``dense``: the tables in ``dense_tables``;
+    ``fallback``: in ``fallback_tables``. Also ``"runs_as"``: describe()'s "runs as" of each kernel."""
     torch.manual_seed(0)
     init = [(torch.randn(ROWS, DIM) * 0.5).to(dtype) for _ in NAMES]
     heads = [torch.randn(DIM) for _ in NAMES]
     restore = _mutate(mutant)
     try:
-        dmp = _sharded(world_size, dtype, optimizer, sharding_type, pooled, init, state_dtype, fallback)
+        options = {"split": split, "dense": dense, "fallback": fallback}
+        dmp = _sharded(world_size, dtype, optimizer, sharding_type, pooled, init, state_dtype, **options)
         reference, synced = _Reference(init, optimizer, state_dtype), _Reference(init, optimizer, state_dtype)
         worst, step_worst = [], []
         for step in range(steps):
@@ -174,7 +179,7 @@ def train(rank, world_size, dtype, optimizer, sharding_type, pooled=True, steps=
             if reload and step == steps // 2:  # into a fresh model and optimizer, mid-run
                 saved = overlap_optim.get_optimizers(dmp).state_dict()
                 weights = [_whole(dmp, name, pooled, dtype) for name in NAMES]
-                dmp = _sharded(world_size, dtype, optimizer, sharding_type, pooled, weights, state_dtype, fallback)
+                dmp = _sharded(world_size, dtype, optimizer, sharding_type, pooled, weights, state_dtype, **options)
                 overlap_optim.get_optimizers(dmp).load_state_dict(saved)
             synced.stored = [_whole(dmp, name, pooled, dtype) for name in NAMES]
             synced.optimizer.load_state_dict(copy.deepcopy(reference.optimizer.state_dict()))  # its state, our weights
@@ -190,9 +195,15 @@ def train(rank, world_size, dtype, optimizer, sharding_type, pooled=True, steps=
         dtypes = sorted({str(v.dtype) for entry in state.values() for v in entry.values() if torch.is_tensor(v)
                          and v.dim() > 0})
         return {"ulps": worst, "step_ulps": step_worst, "moved": max(ulps(s, t) for s, t in zip(stored, init)),
-                "state": dtypes, "memory": _held_and_planned(dmp), "runs": _runs_as(dmp)}
+                "state": dtypes, "memory": _held_and_planned(dmp), "runs_as": _runs_as(dmp)}
     finally:
         restore()
+
+
+def _runs_as(dmp: nn.Module) -> list[str]:
+    """``describe()``'s "runs as" cell of each kernel of every rank."""
+    from sharders.describe import kernel_rows
+    return [row[6] for row in kernel_rows(dmp)]
 
 
 def _held_and_planned(dmp: nn.Module) -> list[tuple[float, float]]:
@@ -203,24 +214,19 @@ def _held_and_planned(dmp: nn.Module) -> list[tuple[float, float]]:
     return [tuple(float(v.split()[0]) * units[v.split()[1]] for v in pair) for pair in cells]
 
 
-def _runs_as(dmp: nn.Module) -> list[str]:
-    """``describe()``'s "runs as" column, one entry per distinct value."""
-    rows = sharders.describe(dmp).splitlines()
-    column = [cell.strip() for cell in rows[0].strip(" |").split(" | ")].index("runs as")
-    return sorted({row.strip(" |").split(" | ")[column].strip() for row in rows[2:]})
-
-
-def _sharded(world_size, dtype, optimizer, sharding_type, pooled, init, state_dtype=None, fallback=False):
-    """The collection of ``dtype`` tables sharded by ours, each table set to ``init``; ``fallback``:
-    pinned to the fallback."""
+def _sharded(world_size, dtype, optimizer, sharding_type, pooled, init, state_dtype=None, split=False, dense=False,
+             fallback=False):
+    """The collection of ``dtype`` tables sharded by ours, each table set to ``init``; ``split``: column
+    shards of 8 columns; ``dense``: every table in ``dense_tables``; ``fallback``: in ``fallback_tables``."""
     cls, kwargs = OPTIMIZERS[optimizer]
     collection = _collection(dtype, pooled)
     apply_optimizer_in_backward(cls, collection.parameters(), kwargs, state_dtype=state_dtype)
-    sharder_class = sharders.EmbeddingBagCollectionSharder if pooled else sharders.EmbeddingCollectionSharder
-    sharder = sharder_class(fallback_tables=NAMES if fallback else ())
+    sharder = (sharders.EmbeddingBagCollectionSharder if pooled else sharders.EmbeddingCollectionSharder)(
+        dense_tables=NAMES if dense else (), fallback_tables=NAMES if fallback else ())
+    partition = {"min_partition": DIM // 2} if split else {}
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=world_size, compute_device="cpu"),
-        constraints={n: ParameterConstraints(sharding_types=[sharding_type]) for n in NAMES})
+        constraints={n: ParameterConstraints(sharding_types=[sharding_type], **partition) for n in NAMES})
     plan = planner.collective_plan(collection, [sharder], dist.group.WORLD)
     dmp = DistributedModelParallel(collection, plan=plan, sharders=[sharder], device=torch.device("cpu"))
     _set(dmp, init, pooled)
@@ -258,18 +264,20 @@ def checkpoint_dtypes(rank, world_size, directory, saved, loaded):
     return {"refused": message, "unchanged": unchanged, "ulps": cast}
 
 
-def refused(rank, world_size, dtype, optimizer, sharding_type, pooled=True, state_dtype=None):
+def refused(rank, world_size, dtype, optimizer, sharding_type, pooled=True, state_dtype=None, split=False):
     """The message of the refusal when sharding (None if it shards)."""
     try:
-        train(rank, world_size, dtype, optimizer, sharding_type, pooled, steps=1, state_dtype=state_dtype)
-    except NotImplementedError as error:
+        train(rank, world_size, dtype, optimizer, sharding_type, pooled, steps=1, state_dtype=state_dtype, split=split)
+    except (NotImplementedError, ValueError) as error:
         return str(error)
     return None
 
 
 def _mutate(mutant):
-    from overlap_optim.table_optimizer import RowOptimizer
+    from overlap_optim.table_optimizer import DenseTableOptimizer, RowOptimizer
 
+    if mutant == "dense_master_copy":
+        return _keep_master_copy(DenseTableOptimizer)
     prepare, finish = RowOptimizer.prepare, RowOptimizer.finish
     if mutant == "round_gradient":
         def rounded(self, ids, grads):
@@ -291,6 +299,27 @@ def _mutate(mutant):
 
     def restore():
         RowOptimizer.prepare, RowOptimizer.finish = prepare, finish
+    return restore
+
+
+def _keep_master_copy(cls):
+    """Mutate ``cls`` (DenseTableOptimizer, and so the cross-shard forms) to step a float32 master copy kept
+    between steps instead of the stored weights: the final rounding skipped. Returns the undo."""
+    ready, close = cls.ready, cls.close
+
+    def from_master(self):
+        state = ready(self)
+        if "_master" in self.__dict__:
+            self.stepped.data = self.__dict__["_master"]
+        return state
+
+    def to_master(self):
+        self.__dict__["_master"] = self.stepped.detach().clone()
+        close(self)
+    cls.ready, cls.close = from_master, to_master
+
+    def restore():
+        cls.ready, cls.close = ready, close
     return restore
 
 

@@ -29,7 +29,10 @@ LAYERWISE = {f"layerwise/{name}": partial(layerwise, name=name) for name in ("ad
 ON_VECTORS = {f"vectors/{name}": partial(layerwise_vectors, name=name) for name in VECTORS}
 VECTOR_MUTATIONS = {f"vectors/{name}/no_statistics": partial(layerwise_vectors, name=name, statistics=False)
                     for name in ("adafactor", "came", "lamb")}
-RANK_CASES = {**PARITY, **LAYERWISE, **ON_VECTORS, **VECTOR_MUTATIONS, "layerwise/adafactor/no_statistics": partial(layerwise, name="adafactor",
+# The same with the state kept in BF16 (state_dtype=): each step's float32 working copies live across the round.
+BF16_STATE = {f"vectors/{name}/bf16_state": partial(layerwise_vectors, name=name, state_dtype=torch.bfloat16)
+              for name in VECTORS}
+RANK_CASES = {**PARITY, **LAYERWISE, **ON_VECTORS, **BF16_STATE, **VECTOR_MUTATIONS, "layerwise/adafactor/no_statistics": partial(layerwise, name="adafactor",
                                                                                   statistics=False),
               "grouped": grouped, "accumulated/adafactor": partial(accumulated, weights="adafactor"),
               "clipped/norm": partial(clipped, how={"max_norm": 0.05}),
@@ -81,6 +84,18 @@ def test_layerwise_optimizers_step_biases_across_fsdp_shards_exactly(ranks, case
         assert out["state_diff"] < 1e-5, out
         # the per-element state of a bias is sharded as the bias is
         assert {kind for _, _, kind in out["vector_state"]} == {"DTensor"}, out["vector_state"]
+
+
+@pytest.mark.parametrize("case", BF16_STATE)
+def test_layerwise_optimizers_keep_bf16_state_across_fsdp_shards_exactly(ranks, case):
+    """The reference rounds each state tensor to BF16 after each step; ours keeps it in BF16."""
+    for out in ranks[case]:
+        assert max(out["diffs"]) < 1e-5, out["diffs"]
+        assert out["moved"] > 1e-4, out
+        assert out["all_reduces_per_step"] == 1, out
+        assert out["state_names"] == [] and out["state_shapes"] == [], out
+        assert out["state_diff"] < 1e-5, out
+        assert out["state_dtypes"] == ["torch.bfloat16"], out["state_dtypes"]
 
 
 @pytest.mark.parametrize("case", VECTOR_MUTATIONS)

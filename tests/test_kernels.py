@@ -141,6 +141,10 @@ STEPPED = {  # cross-shard tables: (optimizer, kwargs, sharding type)
     "lars/row_wise": (LARS, {"lr": 0.01}, "row_wise"),
     "muon/row_wise": (torch.optim.Muon, {"lr": 0.01}, "row_wise"),
     "rowwise_adagrad/column_wise": (RowWiseAdagrad, {"lr": 0.01}, "column_wise"),
+    # FP16 and BF16 shards step a float32 copy, held through both halves, with float32 temporaries
+    "lamb/row_wise/bf16": (Lamb, {"lr": 0.01}, "row_wise", torch.bfloat16),
+    "adafactor/row_wise/fp16": (torch.optim.Adafactor, {"lr": 0.01}, "row_wise", torch.float16),
+    "muon/row_wise/bf16": (torch.optim.Muon, {"lr": 0.01}, "row_wise", torch.bfloat16),
 }
 
 
@@ -149,8 +153,10 @@ def test_step_bytes_per_shard_are_the_peak_of_a_cross_shard_step(case):
     """The first of two shards of a 4096 x 64 table, a batch of 8 rows, its third step (the state
     is made): ``step_bytes`` is within 5% of a shard (26 KB) of the most the step allocated beyond
     what it held, the round (local: one process) included. Adafactor's is no shard-sized gradient
-    (on row shards, under 5% of one); LAMB's is its three shard-sized temporaries."""
-    cls, kwargs, sharding_type = STEPPED[case]
+    (on row shards, under 5% of one); LAMB's is its three shard-sized temporaries. A low-precision
+    shard's adds its float32 copy."""
+    cls, kwargs, sharding_type, *dtype = STEPPED[case]
+    dtype = dtype[0] if dtype else torch.float32
     shard = (TABLE[0] // 2, TABLE[1]) if split_axis(sharding_type) == 0 else (TABLE[0], TABLE[1] // 2)
     group = AnnotationGroup(describe_optimizer(cls, kwargs))
     table = CrossShardTable(TableDecision("t", sharding_type, TABLE, group, KernelChoice(False), KernelKind.CROSS_SHARD))
@@ -159,7 +165,7 @@ def test_step_bytes_per_shard_are_the_peak_of_a_cross_shard_step(case):
     context = BuildContext(sharded=None, process_group=None, device_type="cpu", round=round_, tables={"t": table})
     config = SimpleNamespace(local_metadata=SimpleNamespace(shard_offsets=[0, 0]))  # TorchRec's: only this is read
     generator = torch.Generator().manual_seed(0)
-    optimizer = table.make_optimizer(torch.randn(shard, generator=generator), config, context)
+    optimizer = table.make_optimizer(torch.randn(shard, generator=generator).to(dtype), config, context)
     batches = [(torch.randperm(shard[0], generator=generator)[:8], torch.randn(8, shard[1], generator=generator))
                for _ in range(3)]
 
@@ -170,11 +176,11 @@ def test_step_bytes_per_shard_are_the_peak_of_a_cross_shard_step(case):
     for batch in batches[:2]:
         step(*batch)
     measured = allocated_peak(lambda: step(*batches[2]))
-    counted, shard_bytes = table.step_bytes(shard), shard[0] * shard[1] * 4
+    counted, shard_bytes = table.step_bytes(shard, dtype), shard[0] * shard[1] * 4
     assert abs(counted - measured) <= 0.05 * shard_bytes, (case, counted, measured)
     if case == "adafactor/row_wise":
         assert measured < 0.05 * shard_bytes and counted < 0.05 * shard_bytes, (counted, measured)
     if case == "rowwise_adagrad/column_wise":  # the round's row sums (3 float64 copies of R), no shard-sized buffer
         assert counted == 3 * 8 * TABLE[0] and measured < 0.2 * shard_bytes, (counted, measured)
     if case.startswith("lamb"):
-        assert counted >= 3 * shard_bytes, counted
+        assert counted >= 3 * shard_bytes + (shard_bytes if dtype != torch.float32 else 0), counted

@@ -16,6 +16,7 @@ from functools import partial
 import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from _precision_bodies import checkpoint_dtypes, ddp_state, refused, train
 from overlap_optim.testing import run_cases, selected_cases
@@ -53,6 +54,14 @@ for dtype_name, dtype in DTYPES.items():
                                                       pooled=False)
     CASES[f"{dtype_name}/sgd/table_wise/ec"] = partial(train, dtype=dtype, optimizer="sgd", sharding_type="table_wise",
                                                        pooled=False)
+# Cross-shard tables: a layer-wise optimizer on a table split across ranks, RowWiseAdagrad on column shards. Each
+# shard's step (both halves, the round between them) on a float32 copy, rounded once when the round finishes it.
+CROSS_SHARD = {}
+for dtype_name, dtype in DTYPES.items():
+    for optimizer, sharding_type in (("adafactor", "row_wise"), ("adafactor", "column_wise"), ("lamb", "row_wise"),
+                                     ("lamb", "column_wise"), ("rowwise_adagrad", "column_wise")):
+        CROSS_SHARD[f"{dtype_name}/{optimizer}/{sharding_type}/cross_shard"] = partial(
+            train, dtype=dtype, optimizer=optimizer, sharding_type=sharding_type, split=True)
 # Optimizer state kept in BF16 or FP16 (state_dtype=): the reference rounds each state tensor after each step.
 STATE = {
     "state/bf16_adam/fp16_table/table_wise": partial(train, dtype=torch.float16, optimizer="adam",
@@ -64,7 +73,26 @@ STATE = {
         state_dtype=torch.bfloat16),
     "state/bf16_adam/fp16_table/reloaded": partial(train, dtype=torch.float16, optimizer="adam",
                                                    sharding_type="row_wise", state_dtype=torch.bfloat16, reload=True),
+    # dense semantics: the whole shard's state stepped as float32 copies, rounded once
+    "state/bf16_adam/fp16_table/dense_tables": partial(train, dtype=torch.float16, optimizer="adam",
+                                                       sharding_type="row_wise", state_dtype=torch.bfloat16, dense=True),
+    "state/fp16_adam/bf16_table/dense_tables": partial(train, dtype=torch.bfloat16, optimizer="adam",
+                                                       sharding_type="table_wise", state_dtype=torch.float16,
+                                                       dense=True),
+    "state/bf16_adafactor/bf16_table/table_wise": partial(train, dtype=torch.bfloat16, optimizer="adafactor",
+                                                          sharding_type="table_wise", state_dtype=torch.bfloat16),
+    "state/bf16_adam/fp16_table/dense_tables/reloaded": partial(
+        train, dtype=torch.float16, optimizer="adam", sharding_type="table_row_wise", state_dtype=torch.bfloat16,
+        dense=True, reload=True),
 }
+# cross-shard: the working copies live from the first half to the second. (state, optimizer, table, sharding, options)
+for state, optimizer, table, sharding_type, options in (
+        ("bf16", "adafactor", "fp16", "row_wise", {}), ("bf16", "lamb", "fp16", "column_wise", {}),
+        ("bf16", "lamb", "bf16", "row_wise", {"reload": True}), ("fp16", "adafactor", "fp16", "column_wise", {}),
+        ("fp16", "rowwise_adagrad", "bf16", "column_wise", {})):
+    name = f"state/{state}_{optimizer}/{table}_table/{sharding_type}/cross_shard" + ("/reloaded" if options else "")
+    STATE[name] = partial(train, dtype=DTYPES[table], optimizer=optimizer, sharding_type=sharding_type,
+                          state_dtype=DTYPES[state], split=True, **options)
 DDP_STATE = {
     "ddp_hook/bf16_adam": partial(ddp_state, state_dtype=torch.bfloat16),
 }
@@ -73,20 +101,20 @@ MUTANTS = {
                                      mutant="round_gradient", fallback=True),
     "mutant/master_copy": partial(train, dtype=torch.bfloat16, optimizer="adam", sharding_type="table_wise",
                                   mutant="master_copy"),
+    "mutant/master_copy/cross_shard": partial(train, dtype=torch.bfloat16, optimizer="lamb", sharding_type="row_wise",
+                                              split=True, mutant="dense_master_copy"),
+    "mutant/master_copy/dense_tables": partial(train, dtype=torch.float16, optimizer="adam", sharding_type="row_wise",
+                                               dense=True, mutant="dense_master_copy"),
 }
 REFUSED = {
     "refused/data_parallel": partial(refused, dtype=torch.float16, optimizer="adam", sharding_type="data_parallel"),
-    "refused/adafactor_row_wise": partial(refused, dtype=torch.bfloat16, optimizer="adafactor",
-                                          sharding_type="row_wise"),
-    "refused/state_dtype_adafactor": partial(refused, dtype=torch.float32, optimizer="adafactor",
-                                             sharding_type="table_wise", state_dtype=torch.bfloat16),
 }
 CHECKPOINTS = {  # saved as, loaded into
     "checkpoint/fp32_into_fp16": (torch.float32, torch.float16),
     "checkpoint/fp32_into_bf16": (torch.float32, torch.bfloat16),
     "checkpoint/fp16_into_fp32": (torch.float16, torch.float32),
 }
-ALL = {**CASES, **STATE, **DDP_STATE, **MUTANTS, **REFUSED, **{name: None for name in CHECKPOINTS}}
+ALL = {**CASES, **CROSS_SHARD, **STATE, **DDP_STATE, **MUTANTS, **REFUSED, **{name: None for name in CHECKPOINTS}}
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +133,7 @@ def test_each_step_equals_the_float32_reference_rounded_once(ranks, case):
             assert max(result["ulps"]) <= ULPS, (case, result["ulps"])
         assert result["moved"] > 8, f"{case}: the reference must move ({result['moved']} ulps)"
         assert result["state"] in ([], ["torch.float32"]), (case, result["state"])
-        assert all(_runs_as(case) in runs for runs in result["runs"]), (case, result["runs"])
+        assert all(_runs_as(case) in runs for runs in result["runs_as"]), (case, result["runs_as"])
 
 
 def _runs_as(case: str) -> str:
@@ -117,10 +145,25 @@ def _runs_as(case: str) -> str:
     return "compiled backward" if fuses else "fallback"
 
 
+@pytest.mark.parametrize("case", list(CROSS_SHARD))
+def test_a_cross_shard_table_steps_as_its_optimizer_on_the_whole_table_rounded_once(ranks, case):
+    """The reference is the optimizer's own class on the whole unsharded float32 copy; the table is split
+    (both ranks hold a shard) and runs as the cross-shard kind."""
+    for result in ranks[case]:
+        assert all("across shards" in runs for runs in result["runs_as"]), (case, result["runs_as"])
+        assert max(result["step_ulps"]) <= ULPS, (case, result["step_ulps"])
+        assert max(result["ulps"]) <= ULPS, (case, result["ulps"])
+        assert result["moved"] > 8, f"{case}: the reference must move ({result['moved']} ulps)"
+        assert result["state"] in ([], ["torch.float32"]), (case, result["state"])
+
+
 @pytest.mark.parametrize("case", list(STATE))
 def test_low_precision_state_is_the_update_with_each_state_tensor_rounded(ranks, case):
     dtype = "torch.float16" if case.startswith("state/fp16_") else "torch.bfloat16"
+    runs = {"/cross_shard": "across shards", "/dense_tables": "the whole table"}
     for result in ranks[case]:
+        for marker, runs_as in runs.items():
+            assert marker not in case or all(runs_as in r for r in result["runs_as"]), (case, result["runs_as"])
         assert max(result["step_ulps"]) <= ULPS, (case, result["step_ulps"])
         assert max(result["ulps"]) <= ULPS, (case, result["ulps"])
         assert result["moved"] > 8, f"{case}: the reference must move ({result['moved']} ulps)"
@@ -199,13 +242,29 @@ def test_a_state_dtype_that_is_not_bf16_or_fp16_is_refused_by_name():
     assert not hasattr(layer.weight, "_optimizer_classes"), "a refused annotation changed the parameter"
 
 
-def test_fsdp_refuses_low_precision_state_on_a_step_across_shards():
-    """FSDP2's layer-wise step across shards keeps its own state: refused by name before sharding."""
-    from overlap_optim.fsdp import _check_parameters
-    from overlap_optim.spec import AnnotationGroup, describe_optimizer
+def test_a_kind_that_keeps_float32_state_only_refuses_state_dtype_by_table():
+    """Every built-in kind that steps a table keeps state_dtype; a kind without the flag (a new one,
+    here the tests' recording kind) is refused at sharding, naming the table, as docs/refusals.md says."""
+    from _recording_kind import recording_decisions
+    from overlap_optim import apply_optimizer_in_backward
+    from sharders.optimizer_table import decide
+    from sharders.refusals import refusal
 
-    weight = torch.nn.Parameter(torch.zeros(8, 4))
-    group = AnnotationGroup(describe_optimizer(torch.optim.Adafactor, {"lr": 0.01}), torch.bfloat16)
-    with pytest.raises(ValueError, match=r"parameter 'layer.weight' .* state_dtype=torch.bfloat16.*no low-precision"):
-        _check_parameters({"layer.weight": (weight, group, None)}, custom_placement=False)
-    _check_parameters({"layer.weight": (weight, AnnotationGroup(group.spec), None)}, custom_placement=False)
+    weight = torch.nn.Parameter(torch.zeros(4, 2))
+    apply_optimizer_in_backward(torch.optim.Adam, [weight], {"lr": 0.1}, state_dtype=torch.bfloat16)
+    with recording_decisions(), pytest.raises(NotImplementedError, match=r"table 'recorded' .* float32 only") as err:
+        decide("recorded", weight, "table_wise", [[0, 0]], "fused", (4, 2), "cpu", {})
+    assert refusal("low_precision_state").matches(str(err.value)), err.value
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adagrad, RowWiseAdagrad], ids=["adagrad", "rowwise_adagrad"])
+def test_state_an_optimizer_makes_when_built_is_kept_in_state_dtype(cls):
+    """Adagrad's constructor makes its state (float32): a whole-shard table keeps it in BF16 before any step,
+    as a checkpoint's sharded metadata says (the promise matrix loaded one into a fresh model)."""
+    from overlap_optim.spec import AnnotationGroup, describe_optimizer
+    from overlap_optim.table_optimizer import DenseTableOptimizer
+
+    group = AnnotationGroup(describe_optimizer(cls, {"lr": 0.1}), torch.bfloat16)
+    table = DenseTableOptimizer(torch.zeros(4, 2, dtype=torch.float16), group, "t0")
+    assert table.state["sum"].dtype == torch.bfloat16, table.state
+    assert table.state["step"].dtype == torch.float32, table.state  # a step counter keeps its dtype

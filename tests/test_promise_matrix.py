@@ -44,13 +44,10 @@ PREDICATES = {
                                           and c.world_size > 1),
     "fused_params_update_keys": lambda c: bool({k for k, _ in c.fused_params} - SAFE_FUSED_PARAMS),
     "unrunnable_compute_kernel": lambda c: any(t.kernel not in (None, "fused", "dense") for t in c.tables),
-    # FP16 and BF16 run in the fallback, lazy or dense; data-parallel, cross-shard, frozen and user tables
-    # are float32 only
+    # FP16 and BF16 run in the fallback: lazy, dense and cross-shard; data-parallel, frozen and user tables are
+    # float32 only. BF16 state runs in every kind that steps a table (low_precision_state: FSDP2, not drawn here)
     "low_precision_table": lambda c: any(t.precision != "fp32" and (
-        t.sharding == "data_parallel" or t.optimizer in NO_OPTIMIZER or _cross_shard(c, t)) for t in c.tables),
-    # BF16 state runs in the lazy fallback and in the DDP hook (data_parallel)
-    "low_precision_state": lambda c: any(t.state_bf16 and t.sharding != "data_parallel" and (not t.lazy or (
-        t.optimizer.startswith("rowwise_adagrad") and t.sharding in COLUMN_SPLITS)) for t in c.tables),
+        t.sharding == "data_parallel" or t.optimizer in NO_OPTIMIZER) for t in c.tables),
     # the matrix declares VBE (variable_batch=True): fused tables that cannot take it go to the fallback
     "variable_batch": lambda c: c.vbe and (
         c.micro > 1 or any(t.sharding == "data_parallel" or t.optimizer in NO_OPTIMIZER
@@ -60,15 +57,6 @@ PREDICATES = {
     "ambiguous_table_option": lambda c: not c.qualified and any(
         t.dense and sum(u.bagged and u.name == t.name for u in c.tables) > 1 for t in c.tables if t.bagged),
 }
-
-
-def _cross_shard(config: Config, t: Table) -> bool:
-    """A layer-wise optimizer on a table split into shards, or RowWiseAdagrad on column shards: the
-    cross-shard kind (one row of accumulator, or whole-table statistics, across shards). Column
-    splits make two shards of DIM 8 on any world size; row splits one shard a rank."""
-    layer_wise = t.optimizer not in NO_OPTIMIZER and OPTIMIZERS[t.optimizer][2]
-    split = t.sharding in COLUMN_SPLITS or (t.sharding in ("row_wise", "table_row_wise") and config.world_size > 1)
-    return (layer_wise and split) or (t.optimizer.startswith("rowwise_adagrad") and t.sharding in COLUMN_SPLITS)
 
 
 def _type_of(config: Config, name: str) -> str:
@@ -274,16 +262,23 @@ def directory():
                        cover=False, vbe=True))
 @example(config=Config((T("t0", "ebc", 1, "table_wise", "sgd"), T("t1", "ebc", 1, "table_wise", "sgd", mean=True),
                         T("t2", "ebc", 1, "table_wise", "sgd")), cover=False, checkpoint="other_plan", vbe=True))
-# FP16 and BF16 tables, lazy and dense (a layer-wise table kept whole under the other plan: split, it would be
-# the cross-shard kind, refused), and BF16 state, through a checkpoint under another plan and with clipping.
+# FP16 and BF16 tables, lazy and dense (a layer-wise table split under the other plan: the cross-shard kind), and
+# BF16 state, through a checkpoint under another plan and with clipping.
 @example(config=Config((T("t0", "ebc", 7, "table_wise", "adafactor", precision="fp16"),
                         T("t1", "ebc", 9, "row_wise", "adam", precision="bf16", state_bf16=True)),
                        checkpoint="other_plan", clip=("norm", "everything")))
 @example(config=Config((T("t0", "ebc", 7, "column_wise", "adam", precision="bf16", state_bf16=True),
                         T("s0", "ec", 9, "row_wise", "adagrad", precision="fp16")), micro=2, cover=False,
                        checkpoint="dcp_other_plan"))
-# A layer-wise FP16 table row_wise on one rank: one shard, the dense kind, exact (on 2 ranks: refused).
+# A layer-wise FP16 table row_wise on one rank: one shard, the dense kind (on 2 ranks: the cross-shard kind).
 @example(config=Config((T("t0", "ebc", 1, "row_wise", "adafactor", precision="fp16"),), world_size=1, weighted=True))
+# Low-precision cross-shard tables with BF16 state (LAMB's moments, RowWiseAdagrad's row sums on column shards).
+@example(config=Config((T("t0", "ebc", 9, "row_wise", "lamb", precision="bf16", state_bf16=True),
+                        T("t1", "ebc", 7, "column_wise", "rowwise_adagrad", precision="fp16", state_bf16=True)),
+                       checkpoint="other_plan"))
+# BF16 state on a dense Adagrad table whose constructor makes its state (float32): loaded before a step.
+@example(config=Config((T("s0", "ec", 1, "table_wise", "adagrad", dense=True, state_bf16=True),), cover=False,
+                       checkpoint="other_plan"))
 def test_exact_or_refused(config: Config, directory: str) -> None:
     name = hashlib.sha1(repr(config).encode()).hexdigest()[:10]
     if os.environ.get("MATRIX_LOG"):  # each example as it starts: a run that stalls shows where
