@@ -11,8 +11,9 @@ Every update of such a parameter runs inside :func:`in_float32`, which hands the
 working copies of the stored state and writes them back rounded: the per-parameter step, the
 multi-tensor update of a virtual group (the DDP hook, FSDP2 groups), and the table optimizer of
 a fallback table (which keeps its rows' state in ``state_dtype`` and reads the touched rows in
-float32). The kinds that cannot (FBGEMM's kernels on CPU, whole-shard and cross-shard tables)
-are refused by table, or do not fuse.
+float32), and the whole-table step of an FP16 or BF16 data-parallel table (``sharders.replicated``).
+The kinds that cannot (FBGEMM's kernels on CPU, whole-shard tables of a model-parallel sharding type,
+cross-shard tables) are refused by table, or do not fuse.
 
 Example:
     >>> apply_optimizer_in_backward(torch.optim.Adam, ebc.parameters(), {"lr": 0.05}, state_dtype=torch.bfloat16)

@@ -3,7 +3,9 @@
 - :class:`DataParallelTable` is the kind of a table replicated on every rank
   (``KernelKind.DATA_PARALLEL``): TorchRec's DDP all-reduces its gradient, and
   its annotated ``torch.optim`` steps in our DDP comm hook, on the averaged
-  gradient, with dense semantics.
+  gradient, with dense semantics. A float32 table only: an FP16 or BF16 one is
+  the replicated kind (:mod:`sharders.replicated`), which takes its kernel out of DDP
+  (:func:`without_tables`).
 - :class:`DataParallelWrapper` wraps the unsharded part of a DMP model in DDP,
   with the same hook.
 - :class:`FullyShardWrapper` shards it with FSDP2 instead
@@ -49,8 +51,8 @@ class DataParallelTable(TableKernel):
     plan_kernels = frozenset({"dense"})
     sharded_state = False  # the weight carries its annotation: get_optimizers finds it as a parameter
     low_precision_state = True  # the DDP hook's steps keep state_dtype (overlap_optim.state_precision)
-    float32_only = ("autograd gives an FP16/BF16 weight a gradient in that dtype, which DDP would reduce and "
-                    "torch.optim step in it, where the reference steps on the float32 gradient")
+    # Float32 only: autograd gives an FP16/BF16 weight a gradient in that dtype, which DDP would reduce and
+    # torch.optim step in it. Such tables are the replicated kind (sharders.replicated).
 
     @classmethod
     def install(cls, tables: list[TableKernel], context: BuildContext) -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
-from _precision_bodies import checkpoint_dtypes, ddp_state, refused, train
+from _precision_bodies import checkpoint_dtypes, clipped_window, ddp_state, refused, train
 from overlap_optim.testing import run_cases, selected_cases
 from sharders import fused_rows
 
@@ -53,6 +53,12 @@ for dtype_name, dtype in DTYPES.items():
                                                       pooled=False)
     CASES[f"{dtype_name}/sgd/table_wise/ec"] = partial(train, dtype=dtype, optimizer="sgd", sharding_type="table_wise",
                                                        pooled=False)
+    # data_parallel: every rank's float32 gradient averaged across ranks, the whole table stepped (dense)
+    for optimizer in EXACT:
+        CASES[f"{dtype_name}/{optimizer}/data_parallel"] = partial(train, dtype=dtype, optimizer=optimizer,
+                                                                   sharding_type="data_parallel")
+    CASES[f"{dtype_name}/adam/data_parallel/ec"] = partial(train, dtype=dtype, optimizer="adam",
+                                                           sharding_type="data_parallel", pooled=False)
 # Optimizer state kept in BF16 or FP16 (state_dtype=): the reference rounds each state tensor after each step.
 STATE = {
     "state/bf16_adam/fp16_table/table_wise": partial(train, dtype=torch.float16, optimizer="adam",
@@ -64,18 +70,35 @@ STATE = {
         state_dtype=torch.bfloat16),
     "state/bf16_adam/fp16_table/reloaded": partial(train, dtype=torch.float16, optimizer="adam",
                                                    sharding_type="row_wise", state_dtype=torch.bfloat16, reload=True),
+    "state/bf16_adam/fp16_table/data_parallel": partial(train, dtype=torch.float16, optimizer="adam",
+                                                        sharding_type="data_parallel", state_dtype=torch.bfloat16),
+    "state/bf16_adam/fp16_table/data_parallel/reloaded": partial(
+        train, dtype=torch.float16, optimizer="adam", sharding_type="data_parallel", state_dtype=torch.bfloat16,
+        reload=True),
 }
 DDP_STATE = {
     "ddp_hook/bf16_adam": partial(ddp_state, state_dtype=torch.bfloat16),
 }
+# an FP16 data-parallel table beside a float32 one, clipped by norm together, two micro-batches a step
+WINDOWS = {"data_parallel/clipped_window": clipped_window}
 MUTANTS = {
     "mutant/round_gradient": partial(train, dtype=torch.float16, optimizer="sgd", sharding_type="table_wise",
                                      mutant="round_gradient", fallback=True),
     "mutant/master_copy": partial(train, dtype=torch.bfloat16, optimizer="adam", sharding_type="table_wise",
                                   mutant="master_copy"),
+    # data_parallel: the ranks' gradients summed, not averaged; the averaged gradient rounded to FP16
+    "mutant/data_parallel/summed": partial(train, dtype=torch.float16, optimizer="sgd",
+                                           sharding_type="data_parallel", mutant="dp_summed"),
+    "mutant/data_parallel/window_ignored": partial(clipped_window, mutant=True),
+    "mutant/data_parallel/round_gradient": partial(train, dtype=torch.float16, optimizer="sgd",
+                                                   sharding_type="data_parallel", mutant="dp_round_gradient"),
 }
 REFUSED = {
-    "refused/data_parallel": partial(refused, dtype=torch.float16, optimizer="adam", sharding_type="data_parallel"),
+    # looked up only (requires_grad=False), or stepped by the user's own optimizer on its FP16 .grad
+    "refused/data_parallel_frozen": partial(refused, dtype=torch.float16, optimizer="adam",
+                                            sharding_type="data_parallel", frozen=True),
+    "refused/data_parallel_user": partial(refused, dtype=torch.bfloat16, optimizer="user",
+                                          sharding_type="data_parallel"),
     "refused/adafactor_row_wise": partial(refused, dtype=torch.bfloat16, optimizer="adafactor",
                                           sharding_type="row_wise"),
     "refused/state_dtype_adafactor": partial(refused, dtype=torch.float32, optimizer="adafactor",
@@ -86,7 +109,7 @@ CHECKPOINTS = {  # saved as, loaded into
     "checkpoint/fp32_into_bf16": (torch.float32, torch.bfloat16),
     "checkpoint/fp16_into_fp32": (torch.float16, torch.float32),
 }
-ALL = {**CASES, **STATE, **DDP_STATE, **MUTANTS, **REFUSED, **{name: None for name in CHECKPOINTS}}
+ALL = {**CASES, **STATE, **DDP_STATE, **WINDOWS, **MUTANTS, **REFUSED, **{name: None for name in CHECKPOINTS}}
 
 
 @pytest.fixture(scope="module")
@@ -109,10 +132,13 @@ def test_each_step_equals_the_float32_reference_rounded_once(ranks, case):
 
 
 def _runs_as(case: str) -> str:
-    """What describe() must say runs a case: an FP16 table of an optimizer FBGEMM fuses, where our
+    """What describe() must say runs a case: a data-parallel table, the fallback on the whole table
+    with its gradient averaged across ranks; an FP16 table of an optimizer FBGEMM fuses, where our
     compiled backward steps it (in float32, rounded once), fuses; every other low-precision table
     runs in the fallback."""
     dtype, optimizer, *rest = case.split("/")
+    if "data_parallel" in rest:
+        return "fallback: torch.optim on the whole table, gradient averaged across ranks"
     fuses = dtype == "fp16" and optimizer in FUSED_ON_CPU and "fallback" not in rest and COMPILED
     return "compiled backward" if fuses else "fallback"
 
@@ -137,6 +163,18 @@ def test_low_precision_state_in_the_ddp_hook(ranks, case):
         assert max(result["diffs"]) <= 1e-6, (case, result["diffs"])
         assert max(result["state_ulps"]) <= 1, (case, result["state_ulps"])
         assert result["state"] == ["torch.bfloat16"], result["state"]
+
+
+@pytest.mark.parametrize("case", list(WINDOWS))
+def test_a_data_parallel_table_is_clipped_and_accumulated_as_torch(ranks, case):
+    """Against torch's clip_grad_norm_ over both tables, on the window's summed gradient: the
+    global norm as torch's, the FP16 table within one ulp, the float32 one (our DDP hook) within 1e-5."""
+    for result in ranks[case]:
+        assert max(result["ulps"]) <= ULPS, result
+        assert max(result["diffs"]) <= 1e-5, result
+        for theirs, ours in result["norms"]:
+            assert theirs > 1.0 and abs(theirs - ours) <= 1e-5 * theirs, result["norms"]  # it clipped
+        assert result["moved"] > 8, result
 
 
 @pytest.mark.parametrize("case", list(MUTANTS))
