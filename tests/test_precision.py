@@ -3,10 +3,13 @@
 Reference (``_precision_bodies``): ``torch.optim`` in float32 on a float32 copy of the stored
 weights, re-read every step, on the float32 gradient of the global batch, the result rounded once
 to the stored dtype, to nearest even. Ours runs such tables in the fallback on touched rows
-(FBGEMM's CPU TBE rounds each FP16 update twice and has no BF16 kernels). Compared after every
-step, ulp by ulp; batches that touch only half of the rows alternate with full ones where lazy
-and dense ``torch.optim`` agree. Two mutants must fail: the gradient rounded to the stored dtype
-before the update, and a float32 master copy kept between steps (the final rounding skipped).
+(FBGEMM's CPU TBE rounds each FP16 update twice and has no BF16 kernels), fused where our compiled
+backward steps FP16, and on data_parallel as the replicated kind (the whole table, its gradient
+averaged across ranks). Compared after every step, ulp by ulp; batches that touch only half of the
+rows alternate with full ones where lazy and dense ``torch.optim`` agree (on data_parallel, dense,
+for every optimizer). Mutants must fail: the gradient rounded to the stored dtype before the
+update, a float32 master copy kept between steps (the final rounding skipped), and on
+data_parallel the ranks' gradients summed, not averaged, and a kernel blind to ``no_step``.
 """
 
 from __future__ import annotations
