@@ -12,8 +12,9 @@ working copies of the stored state and writes them back rounded: the per-paramet
 multi-tensor update of a virtual group (the DDP hook, FSDP2 groups), and the table optimizer of
 a fallback table (which keeps its rows' state in ``state_dtype`` and reads the touched rows in
 float32). A whole-shard or cross-shard table's step, whose two halves a round may separate, takes
-:func:`working` copies when it starts and :func:`write_back` when it ends. FBGEMM's kernels on
-CPU cannot: such tables do not fuse.
+:func:`working` copies when it starts and :func:`write_back` when it ends; so does the whole-table
+step of an FP16 or BF16 data-parallel table (``sharders.replicated``). FBGEMM's kernels on CPU
+cannot: such tables do not fuse.
 
 Example:
     >>> apply_optimizer_in_backward(torch.optim.Adam, ebc.parameters(), {"lr": 0.05}, state_dtype=torch.bfloat16)

@@ -3,7 +3,9 @@
 - :class:`DataParallelTable` is the kind of a table replicated on every rank
   (``KernelKind.DATA_PARALLEL``): TorchRec's DDP all-reduces its gradient, and
   its annotated ``torch.optim`` steps in our DDP comm hook, on the averaged
-  gradient, with dense semantics.
+  gradient, with dense semantics. A float32 table only: an FP16 or BF16 one is
+  the replicated kind (:mod:`sharders.replicated`), which takes its kernel out of DDP
+  (:func:`without_tables`).
 - :class:`DataParallelWrapper` wraps the unsharded part of a DMP model in DDP,
   with the same hook.
 - :class:`FullyShardWrapper` shards it with FSDP2 instead
@@ -36,7 +38,7 @@ from sharders import _private
 from sharders.kernels import BuildContext, KernelKind, TableKernel
 from sharders.managed_collision import refuse_managed_collision
 
-__all__ = ["DataParallelTable", "DataParallelWrapper", "FullyShardWrapper"]
+__all__ = ["DataParallelTable", "DataParallelWrapper", "FullyShardWrapper", "without_tables", "attach_optimizer"]
 
 
 class DataParallelTable(TableKernel):
@@ -49,8 +51,8 @@ class DataParallelTable(TableKernel):
     plan_kernels = frozenset({"dense"})
     sharded_state = False  # the weight carries its annotation: get_optimizers finds it as a parameter
     low_precision_state = True  # the DDP hook's steps keep state_dtype (overlap_optim.state_precision)
-    float32_only = ("autograd gives an FP16/BF16 weight a gradient in that dtype, which DDP would reduce and "
-                    "torch.optim step in it, where the reference steps on the float32 gradient")
+    # Float32 only: autograd gives an FP16/BF16 weight a gradient in that dtype, which DDP would reduce and
+    # torch.optim step in it. Such tables are the replicated kind (sharders.replicated).
 
     @classmethod
     def install(cls, tables: list[TableKernel], context: BuildContext) -> None:
@@ -68,7 +70,7 @@ class DataParallelTable(TableKernel):
                 managed.append(flat)
                 for table, view in _table_views(kernel):
                     weight = context.table_module(table).weight
-                    _attach(weight, context.tables[table].group)
+                    attach_optimizer(weight, context.tables[table].group)
                     clip = context.tables[table].clip
                     join_clipping(weight, clip)
                     if clip is not None:
@@ -102,11 +104,38 @@ def _table_views(kernel: nn.Module) -> Iterator[tuple[str, Any]]:
         yield name, (lambda g, s=start, r=rows, d=dim: g[s : s + r * d].view(r, d))
 
 
-def _attach(weight: torch.Tensor, group: AnnotationGroup) -> None:
-    """Give a sharded table's parameter a live optimizer that a hook steps (no grad hook)."""
+def attach_optimizer(weight: torch.Tensor, group: AnnotationGroup) -> None:
+    """Annotate a sharded table's parameter with ``group`` and give it a live optimizer, which keeps
+    its state where ``get_optimizers`` finds a parameter's (no grad hook: a DDP hook or a kernel steps it)."""
     annotate(weight, group)
     set_live_optimizers(weight, [group.spec.make([weight])])
     group.param_group["params"].append(weight)
+
+
+def without_tables(lookup: DistributedDataParallel, names: set[str]) -> nn.Module:
+    """The data-parallel ``lookup`` without the weights of its kernels of the tables ``names``:
+    those weights no longer require grad, and the lookup is wrapped again by DDP (with the
+    arguments TorchRec used) over what still trains, or unwrapped if nothing in it trains (the
+    frozen kind, and the replicated kind, whose kernels reduce their own gradients)."""
+    taken = [
+        kernel for kernel in _private.kernels_of_lookup(lookup.module)
+        if kernel.config.embedding_tables[0].name in names
+    ]
+    if not taken:
+        return lookup
+    for kernel in taken:
+        kernel.emb_module.weights.requires_grad_(False)
+    if not any(p.requires_grad for p in lookup.module.parameters()):
+        return lookup.module
+    return DistributedDataParallel(
+        lookup.module,
+        device_ids=lookup.device_ids,
+        process_group=lookup.process_group,
+        gradient_as_bucket_view=lookup.gradient_as_bucket_view,
+        broadcast_buffers=lookup.broadcast_buffers,
+        static_graph=lookup.static_graph,
+    )
+
 
 class DataParallelWrapper(DefaultDataParallelWrapper):
     """What ``DistributedModelParallel(data_parallel_wrapper=...)`` takes.

@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from sharders import _private
+from sharders.data_parallel import without_tables
 from sharders.fallback import RowUpdates
 from sharders.kernels import BuildContext, KernelKind, TableKernel
 
@@ -54,7 +55,7 @@ class FrozenTable(TableKernel):
         names = {table.table for table in tables}
         for i, lookup in enumerate(lookups):
             if isinstance(lookup, DistributedDataParallel):
-                _private.replace_lookup(context.sharded, i, _without_frozen(lookup, names))
+                _private.replace_lookup(context.sharded, i, without_tables(lookup, names))
         for table in tables:  # the weights no longer require grad: so their views say
             bag = context.table_module(table.table)
             weight = getattr(bag, "weight", None)
@@ -85,29 +86,6 @@ class FrozenTable(TableKernel):
 
     def runs_as(self) -> str:
         return "frozen: looked up, never updated"
-
-
-def _without_frozen(lookup: DistributedDataParallel, names: set[str]) -> nn.Module:
-    """The data-parallel lookup, wrapped again by DDP without the weights of its kernels of frozen
-    tables (``names``; the same DDP arguments TorchRec uses), or unwrapped if nothing in it trains."""
-    frozen = [
-        kernel for kernel in _private.kernels_of_lookup(lookup.module)
-        if kernel.config.embedding_tables[0].name in names
-    ]
-    if not frozen:
-        return lookup
-    for kernel in frozen:
-        kernel.emb_module.weights.requires_grad_(False)
-    if not any(p.requires_grad for p in lookup.module.parameters()):
-        return lookup.module
-    return DistributedDataParallel(
-        lookup.module,
-        device_ids=lookup.device_ids,
-        process_group=lookup.process_group,
-        gradient_as_bucket_view=lookup.gradient_as_bucket_view,
-        broadcast_buffers=lookup.broadcast_buffers,
-        static_graph=lookup.static_graph,
-    )
 
 
 class FrozenRows(RowUpdates):

@@ -14,6 +14,7 @@ the table:
 | ``DENSE`` | ``DenseTable`` (:mod:`sharders.fallback`) | torch.optim on the whole shard | dense |
 | ``CROSS_SHARD`` | ``CrossShardTable`` (:mod:`sharders.cross_shard`) | half per shard, statistics in the end-of-backward round | dense |
 | ``DATA_PARALLEL`` | ``DataParallelTable`` (:mod:`sharders.data_parallel`) | torch.optim in the DDP hook | dense |
+| ``REPLICATED`` | ``ReplicatedTable`` (:mod:`sharders.replicated`) | torch.optim, averaged in the round | dense |
 
 A kind's class answers every question the rest of the package asks of a table
 (:class:`TableKernel`): its name, semantics, family and install order (class
@@ -79,6 +80,7 @@ class KernelKind(enum.Enum):
     DENSE = "dense"
     CROSS_SHARD = "cross_shard"
     DATA_PARALLEL = "data_parallel"
+    REPLICATED = "replicated"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,6 +340,7 @@ class UserTable(TableKernel):
     semantics = "user"
     family = "user"
     sharded_state = False
+    float32_only = "your optimizer would get its gradient in the stored dtype, and step it there"
 
     def runs_as(self) -> str:
         return "dense: .grad handed back to your optimizer"

@@ -31,6 +31,7 @@ from sharders.fallback import DenseTable, LazyTable
 from sharders import fused_rows
 from sharders.fbgemm import RULES, FusedTable, choose_kernel
 from sharders.frozen import FrozenTable
+from sharders.replicated import ReplicatedTable
 from sharders.kernels import COLUMN_SPLITTING, ROW_SPLITTING, KernelChoice, TableDecision, TableKernel, UserTable
 
 __all__ = [
@@ -52,6 +53,7 @@ class TableFacts:
     frozen: bool = False  # requires_grad=False when sharded
     cross_shard: bool = False  # split along an axis its optimizer is not separable by; it has a cross-shard form
     dense_requested: bool = False  # named in dense_tables
+    dtype: torch.dtype = torch.float32  # what its weights are stored in
 
 
 # The decision table's last column, and the one registry of table kinds: each kind's class, and when
@@ -59,6 +61,8 @@ class TableFacts:
 KINDS: dict[type[TableKernel], Callable[[TableFacts], bool]] = {
     FrozenTable: lambda t: t.frozen,  # requires_grad=False wins over any annotation, as torch.optim never steps it
     UserTable: lambda t: t.spec is None,
+    # FP16/BF16 on data_parallel: DDP would reduce and step the gradient in the stored dtype
+    ReplicatedTable: lambda t: t.sharding_type == "data_parallel" and t.dtype != torch.float32,
     DataParallelTable: lambda t: t.sharding_type == "data_parallel",
     FusedTable: lambda t: t.choice.fused,
     CrossShardTable: lambda t: t.cross_shard,
@@ -135,7 +139,7 @@ def decide(
             choice = KernelChoice(False, reason=f"{sharding_type}: FBGEMM would keep a statistic per shard, where "
                                                 "the whole table has one; the fallback carries it across shards")
     facts = TableFacts(table, sharding_type, None if group is None else group.spec, choice, frozen=frozen,
-                       cross_shard=cross_shard, dense_requested=table in dense)
+                       cross_shard=cross_shard, dense_requested=table in dense, dtype=dtype)
     kind = kind_of(facts)
     if group is not None and group.state_dtype is not None and not kind.low_precision_state:
         raise NotImplementedError(
@@ -148,8 +152,9 @@ def decide(
         raise NotImplementedError(
             f"table {table!r} holds its weights in {_DTYPE_NAMES.get(dtype, dtype)} and runs as "
             f"{kind.kind.value if hasattr(kind.kind, 'value') else kind.kind} ({sharding_type}), which is exact in "
-            f"float32 only: {kind.float32_only}. Low-precision tables run in the fallback (touched rows, whole "
-            "shards, cross-shard tables) on a model-parallel sharding type; or build the table with "
+            f"float32 only: {kind.float32_only}. Low-precision tables run annotated with an in-backward optimizer: "
+            "in the fallback (touched rows, whole shards, cross-shard tables) on a model-parallel sharding type, "
+            "or on data_parallel (the whole table, its gradient averaged across ranks); or build the table with "
             "data_type=DataType.FP32"
         )
     return TableDecision(table, sharding_type, shape, group, choice, kind.kind, device_type, clip, dtype)

@@ -69,14 +69,16 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "low_precision_table",
-        "an FP16 or BF16 table (EmbeddingBagConfig(data_type=DataType.FP16)) that does not run in the fallback: "
-        "data_parallel, frozen or stepped by the user's optimizer",
+        "an FP16 or BF16 table (EmbeddingBagConfig(data_type=DataType.FP16)) that no in-backward optimizer "
+        "of ours steps (frozen, or stepped by the user's optimizer)",
         "shard",
         "the exact reference (torch.optim in float32 on the stored weights, rounded once) is built for the "
-        "fallback (touched rows, the whole shard, or a cross-shard table's shards); data_parallel would reduce "
-        "and step a gradient in the stored dtype",
-        "the fallback on a model-parallel sharding type, or fused where our compiled backward steps FP16 "
-        "(FBGEMM's own CPU backward rounds twice and it has no BF16 kernels), or a float32 table",
+        "fallback (touched rows, the whole shard, a cross-shard table's shards, or a data-parallel table's whole "
+        "table on its gradient averaged across ranks); the user's optimizer would get and step a gradient in the "
+        "stored dtype, and frozen low-precision tables are not built yet",
+        "an in-backward optimizer on a model-parallel sharding type or data_parallel (fused where our compiled "
+        "backward steps FP16: FBGEMM's own CPU backward rounds twice and it has no BF16 kernels), or a float32 "
+        "table",
         r"holds its weights in (FP16|BF16) and runs as",
     ),
     Refusal(

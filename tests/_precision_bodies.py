@@ -8,6 +8,7 @@ to nearest even. Ours is sharded on 2 ranks and compared with it, ulp by ulp, af
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -105,15 +106,29 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def _shard(dmp: nn.Module, name: str, pooled: bool):
-    key = f"embedding{'_bags' if pooled else 's'}.{name}.weight"
-    return [(s.metadata.shard_offsets, s.tensor) for s in dmp.state_dict()[key].local_shards()]
+    """This rank's shards of table ``name``: (offsets, tensor); a data-parallel table's is the whole."""
+    held = dmp.state_dict()[f"embedding{'_bags' if pooled else 's'}.{name}.weight"]
+    if _replicated(held):
+        return [((0, 0), held)]
+    return [(s.metadata.shard_offsets, s.tensor) for s in held.local_shards()]
+
+
+def _replicated(held) -> bool:
+    """A data-parallel table's state-dict entry: a plain tensor every rank holds (no ShardedTensor)."""
+    return not hasattr(held, "local_shards")
 
 
 def _whole(dmp: nn.Module, name: str, pooled: bool, dtype: torch.dtype) -> torch.Tensor:
-    """Our table ``name`` whole, from every rank's shards (each element from one shard: exact)."""
+    """Our table ``name`` whole, from every rank's shards (each element from one shard: exact); a
+    data-parallel table's from this rank, and it must be the same on every rank."""
     whole = torch.zeros(ROWS, DIM)
     for (row, col), local in _shard(dmp, name, pooled):
         whole[row : row + local.shape[0], col : col + local.shape[1]] = local.float()
+    if _replicated(dmp.state_dict()[f"embedding{'_bags' if pooled else 's'}.{name}.weight"]):  # the ranks agree
+        other = whole.clone()
+        dist.broadcast(other, 0)
+        assert torch.equal(other, whole), f"table {name}: the ranks hold different weights"
+        return whole.to(dtype)
     dist.all_reduce(whole)
     return whole.to(dtype)
 
@@ -153,7 +168,7 @@ class _Reference:
 
 
 def train(rank, world_size, dtype, optimizer, sharding_type, pooled=True, steps=4, mutant=None, state_dtype=None,
-          reload=False, split=False, dense=False, fallback=False):
+          reload=False, split=False, dense=False, fallback=False, frozen=False):
     """Ours against the stated reference; ``{"ulps": worst per step, "step_ulps": the same against a
     reference that reads our weights at the start of each step (one step's own difference, not fed
     back through the loss), "moved": ulps the reference moved, "state": dtypes of the optimizer
@@ -168,12 +183,13 @@ def train(rank, world_size, dtype, optimizer, sharding_type, pooled=True, steps=
     heads = [torch.randn(DIM) for _ in NAMES]
     restore = _mutate(mutant)
     try:
-        options = {"split": split, "dense": dense, "fallback": fallback}
+        options = {"split": split, "dense": dense, "fallback": fallback, "frozen": frozen}
         dmp = _sharded(world_size, dtype, optimizer, sharding_type, pooled, init, state_dtype, **options)
         reference, synced = _Reference(init, optimizer, state_dtype), _Reference(init, optimizer, state_dtype)
         worst, step_worst = [], []
         for step in range(steps):
-            cover = optimizer not in LAZY_IS_DENSE or step % 2 == 0
+            # dense semantics (data_parallel): every optimizer sees half-touched batches
+            cover = (optimizer not in LAZY_IS_DENSE and sharding_type != "data_parallel") or step % 2 == 0
             generator = torch.Generator().manual_seed(100 + step)
             parts = [_batch(generator, cover) for _ in range(world_size)]
             if reload and step == steps // 2:  # into a fresh model and optimizer, mid-run
@@ -215,12 +231,16 @@ def _held_and_planned(dmp: nn.Module) -> list[tuple[float, float]]:
 
 
 def _sharded(world_size, dtype, optimizer, sharding_type, pooled, init, state_dtype=None, split=False, dense=False,
-             fallback=False):
+             fallback=False, frozen=False):
     """The collection of ``dtype`` tables sharded by ours, each table set to ``init``; ``split``: column
-    shards of 8 columns; ``dense``: every table in ``dense_tables``; ``fallback``: in ``fallback_tables``."""
-    cls, kwargs = OPTIMIZERS[optimizer]
+    shards of 8 columns; ``dense``: every table in ``dense_tables``; ``fallback``: in ``fallback_tables``;
+    ``optimizer="user"``: not annotated; ``frozen``: requires_grad=False."""
     collection = _collection(dtype, pooled)
-    apply_optimizer_in_backward(cls, collection.parameters(), kwargs, state_dtype=state_dtype)
+    if optimizer != "user":
+        cls, kwargs = OPTIMIZERS[optimizer]
+        apply_optimizer_in_backward(cls, collection.parameters(), kwargs, state_dtype=state_dtype)
+    for weight in collection.parameters() if frozen else ():
+        weight.requires_grad_(False)
     sharder = (sharders.EmbeddingBagCollectionSharder if pooled else sharders.EmbeddingCollectionSharder)(
         dense_tables=NAMES if dense else (), fallback_tables=NAMES if fallback else ())
     partition = {"min_partition": DIM // 2} if split else {}
@@ -264,10 +284,13 @@ def checkpoint_dtypes(rank, world_size, directory, saved, loaded):
     return {"refused": message, "unchanged": unchanged, "ulps": cast}
 
 
-def refused(rank, world_size, dtype, optimizer, sharding_type, pooled=True, state_dtype=None, split=False):
-    """The message of the refusal when sharding (None if it shards)."""
+def refused(rank, world_size, dtype, optimizer, sharding_type, pooled=True, state_dtype=None, split=False,
+            frozen=False):
+    """The message of the refusal when sharding (None if it shards). ``optimizer="user"``: no
+    annotation (the user's optimizer steps it); ``frozen``: requires_grad=False."""
     try:
-        train(rank, world_size, dtype, optimizer, sharding_type, pooled, steps=1, state_dtype=state_dtype, split=split)
+        train(rank, world_size, dtype, optimizer, sharding_type, pooled, steps=1, state_dtype=state_dtype, split=split,
+              frozen=frozen)
     except (NotImplementedError, ValueError) as error:
         return str(error)
     return None
@@ -279,6 +302,8 @@ def _mutate(mutant):
     if mutant == "dense_master_copy":
         return _keep_master_copy(DenseTableOptimizer)
     prepare, finish = RowOptimizer.prepare, RowOptimizer.finish
+    if mutant in _REPLICATED_MUTANTS:
+        return _REPLICATED_MUTANTS[mutant]()
     if mutant == "round_gradient":
         def rounded(self, ids, grads):
             rows, grad, state = prepare(self, ids, grads)
@@ -323,6 +348,33 @@ def _keep_master_copy(cls):
     return restore
 
 
+def _replicated_mutant(cls, name, mutated):
+    """Replace ``cls.name`` with ``mutated(original)``; returns the restore."""
+    original = getattr(cls, name)
+    setattr(cls, name, mutated(original))
+    return lambda: setattr(cls, name, original)
+
+
+def _summed_not_averaged():
+    """A data-parallel table stepped on the sum of the ranks' gradients (not divided by their number)."""
+    import torch.distributed as dist
+    from sharders.replicated import ReplicatedRows
+
+    return _replicated_mutant(ReplicatedRows, "_averaged", lambda averaged: (
+        lambda self, rows, summed: averaged(self, rows, summed * dist.get_world_size())))
+
+
+def _replicated_round_gradient():
+    """A data-parallel table's averaged gradient rounded to the stored dtype before the step."""
+    from sharders.replicated import ReplicatedTableOptimizer
+
+    return _replicated_mutant(ReplicatedTableOptimizer, "step_whole", lambda step_whole: (
+        lambda self, grad: step_whole(self, grad.to(self.weight.dtype).float())))
+
+
+_REPLICATED_MUTANTS = {"dp_summed": _summed_not_averaged, "dp_round_gradient": _replicated_round_gradient}
+
+
 def ddp_state(rank, world_size, state_dtype, steps=4):
     """An MLP annotated with Adam and ``state_dtype`` state, stepped in our DDP hook, against one
     process of ``torch.optim`` on the global batch with each state tensor rounded after each step,
@@ -363,3 +415,62 @@ def ddp_state(rank, world_size, state_dtype, steps=4):
     dtypes = sorted({str(v.dtype) for entry in state.values() for v in entry.values() if torch.is_tensor(v)
                      and v.dim() > 0})
     return {"diffs": diffs, "state_ulps": state_ulps, "state": dtypes}
+
+
+def clipped_window(rank, world_size, micro=2, steps=3, bound=1.0, mutant=False):
+    """An FP16 data-parallel table (t0) beside a float32 one (t1, our DDP hook), both SGD with
+    momentum (whose step scales with the gradient: the clipping shows), in one clipping set by
+    norm, ``micro`` micro-batches a step (all but the last in ``no_step``), against plain torch on
+    the global batch: float32 copies, each micro-batch's mean loss over the ranks backward,
+    ``clip_grad_norm_`` over both, SGD, t0 rounded once to FP16. ``mutant``: t0's kernel blind to
+    the window (it reduces and steps at every micro-batch).
+    ``{"ulps": t0 per step, "diffs": t1 per step, "norms": (reference, ours) per step, "moved": t0's ulps}``."""
+    from sharders import replicated
+
+    if mutant:
+        accumulating, replicated.module_accumulating = replicated.module_accumulating, lambda module: False
+    try:
+        return _clipped_window(rank, world_size, micro, steps, bound)
+    finally:
+        if mutant:
+            replicated.module_accumulating = accumulating
+
+
+def _clipped_window(rank, world_size, micro, steps, bound):
+    settings = {"lr": 0.5, "momentum": 0.9}
+    torch.manual_seed(0)
+    dtypes = {"t0": torch.float16, "t1": torch.float32}
+    init = [(torch.randn(ROWS, DIM) * 0.5).to(dtypes[n]) for n in NAMES]
+    heads = [torch.randn(DIM) for _ in NAMES]
+    collection = EmbeddingBagCollection(device=torch.device("meta"), tables=[
+        EmbeddingBagConfig(name=n, embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f_{n}"],
+                           data_type=DATA_TYPES[dtypes[n]]) for n in NAMES])
+    apply_optimizer_in_backward(torch.optim.SGD, collection.parameters(), settings)
+    clip = overlap_optim.apply_gradient_clipping(collection.parameters(), max_norm=bound)
+    sharder = sharders.EmbeddingBagCollectionSharder()
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device="cpu"),
+        constraints={n: ParameterConstraints(sharding_types=["data_parallel"]) for n in NAMES})
+    plan = planner.collective_plan(collection, [sharder], dist.group.WORLD)
+    dmp = DistributedModelParallel(collection, plan=plan, sharders=[sharder], device=torch.device("cpu"))
+    _set(dmp, init)
+    copies = [nn.Parameter(t.float()) for t in init]
+    reference = torch.optim.SGD(copies, **settings)
+    ulps_t0, diffs_t1, norms = [], [], []
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(300 + step)
+        batches = [[_batch(generator, cover=step % 2 == 0) for _ in range(world_size)] for _ in range(micro)]
+        for m, parts in enumerate(batches):
+            with overlap_optim.no_step(dmp) if m < micro - 1 else contextlib.nullcontext():
+                _loss(_outputs(dmp(parts[rank]), True), heads).backward()
+            outputs = [_reference_outputs(copies, part, True) for part in parts]
+            (sum(_loss(out, heads) for out in outputs) / world_size).backward()
+        norms.append((torch.nn.utils.clip_grad_norm_(copies, bound).item(), clip.total_norm.item()))
+        reference.step()
+        reference.zero_grad()
+        with torch.no_grad():
+            copies[0].copy_(copies[0].to(torch.float16))  # the stored table: one rounding a step
+        ulps_t0.append(ulps(_whole(dmp, "t0", True, torch.float16), copies[0].detach().to(torch.float16)))
+        diffs_t1.append((_whole(dmp, "t1", True, torch.float32) - copies[1].detach()).abs().max().item())
+    return {"ulps": ulps_t0, "diffs": diffs_t1, "norms": norms,
+            "moved": ulps(copies[0].detach().to(torch.float16), init[0])}

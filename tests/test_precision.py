@@ -3,10 +3,13 @@
 Reference (``_precision_bodies``): ``torch.optim`` in float32 on a float32 copy of the stored
 weights, re-read every step, on the float32 gradient of the global batch, the result rounded once
 to the stored dtype, to nearest even. Ours runs such tables in the fallback on touched rows
-(FBGEMM's CPU TBE rounds each FP16 update twice and has no BF16 kernels). Compared after every
-step, ulp by ulp; batches that touch only half of the rows alternate with full ones where lazy
-and dense ``torch.optim`` agree. Two mutants must fail: the gradient rounded to the stored dtype
-before the update, and a float32 master copy kept between steps (the final rounding skipped).
+(FBGEMM's CPU TBE rounds each FP16 update twice and has no BF16 kernels), fused where our compiled
+backward steps FP16, and on data_parallel as the replicated kind (the whole table, its gradient
+averaged across ranks). Compared after every step, ulp by ulp; batches that touch only half of the
+rows alternate with full ones where lazy and dense ``torch.optim`` agree (on data_parallel, dense,
+for every optimizer). Mutants must fail: the gradient rounded to the stored dtype before the
+update, a float32 master copy kept between steps (the final rounding skipped), and on
+data_parallel the ranks' gradients summed, not averaged, and a kernel blind to ``no_step``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-from _precision_bodies import checkpoint_dtypes, ddp_state, refused, train
+from _precision_bodies import checkpoint_dtypes, clipped_window, ddp_state, refused, train
 from overlap_optim.testing import run_cases, selected_cases
 from sharders import fused_rows
 
@@ -54,6 +57,12 @@ for dtype_name, dtype in DTYPES.items():
                                                       pooled=False)
     CASES[f"{dtype_name}/sgd/table_wise/ec"] = partial(train, dtype=dtype, optimizer="sgd", sharding_type="table_wise",
                                                        pooled=False)
+    # data_parallel: every rank's float32 gradient averaged across ranks, the whole table stepped (dense)
+    for optimizer in EXACT:
+        CASES[f"{dtype_name}/{optimizer}/data_parallel"] = partial(train, dtype=dtype, optimizer=optimizer,
+                                                                   sharding_type="data_parallel")
+    CASES[f"{dtype_name}/adam/data_parallel/ec"] = partial(train, dtype=dtype, optimizer="adam",
+                                                           sharding_type="data_parallel", pooled=False)
 # Cross-shard tables: a layer-wise optimizer on a table split across ranks, RowWiseAdagrad on column shards. Each
 # shard's step (both halves, the round between them) on a float32 copy, rounded once when the round finishes it.
 CROSS_SHARD = {}
@@ -84,6 +93,11 @@ STATE = {
     "state/bf16_adam/fp16_table/dense_tables/reloaded": partial(
         train, dtype=torch.float16, optimizer="adam", sharding_type="table_row_wise", state_dtype=torch.bfloat16,
         dense=True, reload=True),
+    "state/bf16_adam/fp16_table/data_parallel": partial(train, dtype=torch.float16, optimizer="adam",
+                                                        sharding_type="data_parallel", state_dtype=torch.bfloat16),
+    "state/bf16_adam/fp16_table/data_parallel/reloaded": partial(
+        train, dtype=torch.float16, optimizer="adam", sharding_type="data_parallel", state_dtype=torch.bfloat16,
+        reload=True),
 }
 # cross-shard: the working copies live from the first half to the second. (state, optimizer, table, sharding, options)
 for state, optimizer, table, sharding_type, options in (
@@ -96,6 +110,8 @@ for state, optimizer, table, sharding_type, options in (
 DDP_STATE = {
     "ddp_hook/bf16_adam": partial(ddp_state, state_dtype=torch.bfloat16),
 }
+# an FP16 data-parallel table beside a float32 one, clipped by norm together, two micro-batches a step
+WINDOWS = {"data_parallel/clipped_window": clipped_window}
 MUTANTS = {
     "mutant/round_gradient": partial(train, dtype=torch.float16, optimizer="sgd", sharding_type="table_wise",
                                      mutant="round_gradient", fallback=True),
@@ -105,16 +121,27 @@ MUTANTS = {
                                               split=True, mutant="dense_master_copy"),
     "mutant/master_copy/dense_tables": partial(train, dtype=torch.float16, optimizer="adam", sharding_type="row_wise",
                                                dense=True, mutant="dense_master_copy"),
+    # data_parallel: the ranks' gradients summed, not averaged; the averaged gradient rounded to FP16
+    "mutant/data_parallel/summed": partial(train, dtype=torch.float16, optimizer="sgd",
+                                           sharding_type="data_parallel", mutant="dp_summed"),
+    "mutant/data_parallel/window_ignored": partial(clipped_window, mutant=True),
+    "mutant/data_parallel/round_gradient": partial(train, dtype=torch.float16, optimizer="sgd",
+                                                   sharding_type="data_parallel", mutant="dp_round_gradient"),
 }
 REFUSED = {
-    "refused/data_parallel": partial(refused, dtype=torch.float16, optimizer="adam", sharding_type="data_parallel"),
+    # looked up only (requires_grad=False), or stepped by the user's own optimizer on its FP16 .grad
+    "refused/data_parallel_frozen": partial(refused, dtype=torch.float16, optimizer="adam",
+                                            sharding_type="data_parallel", frozen=True),
+    "refused/data_parallel_user": partial(refused, dtype=torch.bfloat16, optimizer="user",
+                                          sharding_type="data_parallel"),
 }
 CHECKPOINTS = {  # saved as, loaded into
     "checkpoint/fp32_into_fp16": (torch.float32, torch.float16),
     "checkpoint/fp32_into_bf16": (torch.float32, torch.bfloat16),
     "checkpoint/fp16_into_fp32": (torch.float16, torch.float32),
 }
-ALL = {**CASES, **CROSS_SHARD, **STATE, **DDP_STATE, **MUTANTS, **REFUSED, **{name: None for name in CHECKPOINTS}}
+ALL = {**CASES, **CROSS_SHARD, **STATE, **DDP_STATE, **WINDOWS, **MUTANTS, **REFUSED,
+       **{name: None for name in CHECKPOINTS}}
 
 
 @pytest.fixture(scope="module")
@@ -137,10 +164,13 @@ def test_each_step_equals_the_float32_reference_rounded_once(ranks, case):
 
 
 def _runs_as(case: str) -> str:
-    """What describe() must say runs a case: an FP16 table of an optimizer FBGEMM fuses, where our
+    """What describe() must say runs a case: a data-parallel table, the fallback on the whole table
+    with its gradient averaged across ranks; an FP16 table of an optimizer FBGEMM fuses, where our
     compiled backward steps it (in float32, rounded once), fuses; every other low-precision table
     runs in the fallback."""
     dtype, optimizer, *rest = case.split("/")
+    if "data_parallel" in rest:
+        return "fallback: torch.optim on the whole table, gradient averaged across ranks"
     fuses = dtype == "fp16" and optimizer in FUSED_ON_CPU and "fallback" not in rest and COMPILED
     return "compiled backward" if fuses else "fallback"
 
@@ -180,6 +210,18 @@ def test_low_precision_state_in_the_ddp_hook(ranks, case):
         assert max(result["diffs"]) <= 1e-6, (case, result["diffs"])
         assert max(result["state_ulps"]) <= 1, (case, result["state_ulps"])
         assert result["state"] == ["torch.bfloat16"], result["state"]
+
+
+@pytest.mark.parametrize("case", list(WINDOWS))
+def test_a_data_parallel_table_is_clipped_and_accumulated_as_torch(ranks, case):
+    """Against torch's clip_grad_norm_ over both tables, on the window's summed gradient: the
+    global norm as torch's, the FP16 table within one ulp, the float32 one (our DDP hook) within 1e-5."""
+    for result in ranks[case]:
+        assert max(result["ulps"]) <= ULPS, result
+        assert max(result["diffs"]) <= 1e-5, result
+        for theirs, ours in result["norms"]:
+            assert theirs > 1.0 and abs(theirs - ours) <= 1e-5 * theirs, result["norms"]  # it clipped
+        assert result["moved"] > 8, result
 
 
 @pytest.mark.parametrize("case", list(MUTANTS))
