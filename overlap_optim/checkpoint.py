@@ -21,6 +21,11 @@ sharding plan, another world size, or the unsharded model in one process:
 were saved. Under ``torch.distributed``, :func:`save` and :func:`load` are
 collectives: call them on every rank.
 
+Weights keep their dtype: one saved in another dtype than the model holds is refused, naming it
+with both dtypes, unless the cast is asked for (:func:`load`'s ``cast=True``). :class:`LoadPlanner`
+is the same rule for a plain ``dcp.load``, :func:`refuse_other_dtypes` the rule itself (also run by
+our sharded collections' ``load_state_dict``).
+
 :func:`from_torchrec` converts a stock TorchRec ``fused_optimizer.state_dict()``
 (FBGEMM's names, plan-dependent keys) into this form, for ``load_state_dict``.
 """
@@ -32,6 +37,7 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +48,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from overlap_optim import local_sgd
-from overlap_optim._state_schema import PLACEHOLDERS
+from overlap_optim._state_schema import PLACEHOLDERS, agree
 from overlap_optim._private import Shard, ShardedTensor, sharded_tensor_from_local_shards, sharded_tensor_process_group
 from overlap_optim.keyed import ddp_prefixes, unwrapped_name
 from overlap_optim.torchrec_checkpoint import from_torchrec
 
-__all__ = ["save", "load", "latest", "CheckpointError", "from_torchrec"]
+__all__ = ["save", "load", "latest", "CheckpointError", "LoadPlanner", "refuse_other_dtypes", "from_torchrec"]
 
 # DCP reports read failures as CheckpointException, a BaseException.
 _READ_ERRORS = (Exception, CheckpointException)
@@ -237,11 +243,8 @@ def _read_validated(directory: Path, model: torch.nn.Module, optimizer: Any) -> 
     if f"optim.{PLACEHOLDERS}" not in saved:  # written before state dicts listed their placeholders
         wanted["optim"].pop(PLACEHOLDERS, None)
     scratch = _scratch_copy(wanted)
-    # Flattening would drop sharded tensors with no piece on this rank, and DCP
-    # would then take the checkpoint for its older format.
-    planner = dcp.DefaultLoadPlanner(flatten_sharded_tensors=False)
-    try:
-        dcp.load(scratch, checkpoint_id=str(directory), planner=planner)
+    try:  # dtypes were checked (_check_dtypes): cast if asked
+        dcp.load(scratch, checkpoint_id=str(directory), planner=LoadPlanner(cast=True))
     except _READ_ERRORS as err:  # a damaged file surfaces in many forms
         raise CheckpointError(f"cannot read checkpoint {directory}: {type(err).__name__}: {err}") from None
     return scratch
@@ -284,18 +287,97 @@ def _check_dtypes(directory: Path, model_state: dict[str, Any], cast: bool) -> N
         metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     except _READ_ERRORS:
         return  # reported, with its cause, where the checkpoint is read
+    refuse_other_dtypes({k: metadata.get(f"model.{k}") for k in model_state}, model_state,
+                        f"checkpoint {directory.name}", "pass cast=True to cast them once (to nearest even)")
+
+
+def refuse_other_dtypes(saved: Mapping[str, Any], held: Mapping[str, Any], source: str, how_to_cast: str,
+                        group: Any = None) -> None:
+    """Raise :class:`CheckpointError` naming each weight whose saved dtype differs from the held one.
+
+    The one rule of every load form (:func:`load`, :class:`LoadPlanner`, a sharded collection's
+    ``load_state_dict``): a weight keeps its dtype unless the user asks for the cast. Keys in only
+    one of ``saved`` and ``held`` are left to the key checks.
+
+    Args:
+        saved: by key, what was saved: a tensor, a ``ShardedTensor`` (its metadata's dtype and its
+            local shards'), or DCP's ``TensorStorageMetadata``; anything else is skipped.
+        held: by key, the model's tensor or ``ShardedTensor``.
+        source: what was saved, for the message ("checkpoint step-00000003", "the state dict").
+        how_to_cast: how the user asks for the cast in this load form.
+        group: a process group whose ranks all call this: each rank's mismatches (a local shard's
+            dtype is the rank's own) are gathered, and every rank raises the same error. None: the
+            mismatches are the same on every rank by construction (the checkpoint's metadata).
+
+    Raises:
+        CheckpointError: some weight's dtypes differ, listing each as
+            ``"<key>: saved <dtype>, the model holds <dtype>"``.
+    """
     differ = []
-    for key, value in model_state.items():
-        saved = metadata.get(f"model.{key}")
-        ours = value.metadata().tensor_properties.dtype if isinstance(value, ShardedTensor) else getattr(
-            value, "dtype", None)
-        if isinstance(saved, TensorStorageMetadata) and ours is not None and saved.properties.dtype != ours:
-            differ.append(f"{key}: saved {saved.properties.dtype}, the model holds {ours}")
+    for key in saved.keys() & held.keys():
+        ours, theirs = _dtypes(held[key]), _dtypes(saved[key])
+        if ours and theirs and theirs != ours:
+            differ.append(f"{key}: saved {_names(theirs)}, the model holds {_names(ours)}")
+    differ = sorted(set().union(*agree(group, None, differ)))
     if differ:
         raise CheckpointError(
-            f"checkpoint {directory.name} holds weights in another dtype than the model: {differ}; pass "
-            "cast=True to cast them once (to nearest even), or build the tables with the dtype they were saved in"
+            f"{source} holds weights in another dtype than the model: {differ}; {how_to_cast}, or build the "
+            "tables with the dtype they were saved in"
         )
+
+
+def _dtypes(value: Any) -> set[torch.dtype]:
+    if isinstance(value, TensorStorageMetadata):
+        return {value.properties.dtype}
+    if isinstance(value, ShardedTensor):
+        return {value.metadata().tensor_properties.dtype} | {s.tensor.dtype for s in value.local_shards()}
+    if isinstance(value, torch.Tensor):
+        return {value.dtype}
+    return set()
+
+
+def _names(dtypes: set[torch.dtype]) -> str:
+    return " and ".join(sorted(str(d) for d in dtypes))
+
+
+class LoadPlanner(dcp.DefaultLoadPlanner):
+    """``torch.distributed.checkpoint``'s load planner for sharded models that keeps dtypes.
+
+    torch's ``DefaultLoadPlanner`` reads each saved tensor into the destination with ``copy_``,
+    casting silently: an FP32 checkpoint loads into an FP16 table, rounded, without a word. This
+    planner compares the checkpoint's metadata with the destination before anything is read, and
+    refuses every tensor of the model's entry saved in another dtype, naming each with both dtypes
+    (a ``CheckpointError``, the same on every rank; ``dcp.load`` raises it inside its
+    ``CheckpointException``, one per rank). With ``cast=True`` it reads as torch's does: each such
+    tensor cast once, to nearest even. It keeps ``ShardedTensor`` entries whole
+    (``flatten_sharded_tensors=False``): torch's default drops those with no piece on this rank.
+
+    Args:
+        cast: cast weights of another dtype instead of refusing them.
+        weights: the top-level entry of the state dict that holds the model's ``state_dict()``;
+            the optimizer's state (float32 by default, or cast as its ``state_dtype`` says) is not
+            checked.
+        **kwargs: ``DefaultLoadPlanner``'s other arguments (``allow_partial_load``).
+
+    Example:
+        >>> state = {"model": model.state_dict(), "optim": opt.state_dict()}
+        >>> dcp.load(state, checkpoint_id=path, planner=checkpoint.LoadPlanner())
+    """
+
+    def __init__(self, cast: bool = False, *, weights: str = "model", **kwargs: Any) -> None:
+        super().__init__(flatten_sharded_tensors=False, **kwargs)
+        self.cast = cast
+        self.weights = weights
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False) -> None:
+        """torch's, then the refusal: DCP calls it on every rank before it reads anything."""
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        if self.cast or metadata is None:
+            return
+        ours = {k: v for k, v in self.state_dict.items() if k.startswith(f"{self.weights}.")}
+        saved = {k: metadata.state_dict_metadata.get(k) for k in ours}
+        refuse_other_dtypes(saved, ours, "the checkpoint",
+                            "pass overlap_optim.checkpoint.LoadPlanner(cast=True) to cast them once (to nearest even)")
 
 
 def _flat_tensors(tree: Any, prefix: str = "") -> dict[str, tuple[int, ...]]:

@@ -60,6 +60,7 @@ class ModuleRecord:
     held_backward: Any = None  # sharders.fused_backward's hold on an FBGEMM module
     keyed_optimizers: Any = None  # keyed's optimizers checked before a forward
     window: Any = None  # accumulation.Window: of a model (window_of), or of the model of a sharded module
+    checks_load_dtypes: bool = False  # sharders.weight_dtypes' load_state_dict pre-hook is on this model's root
 
 
 def record_of(param: torch.Tensor) -> ParamRecord | None:

@@ -33,7 +33,7 @@ __all__ = [
     "wrapped_module", "DenseKernelLayout", "dense_kernel_layout", "slice_again", "ModelBeingSharded",
     "model_being_sharded", "divide_only_row_split_means", "uses_index_dedup", "data_parallel_wrapper",
     "reservation_percentage", "record_reservation", "replace_enumerator", "optimizer_classes_hidden",
-    "annotations_read_as", "comm_hook_left_to_us", "recast_kernel", "replace_lookup",
+    "annotations_read_as", "comm_hook_left_to_us", "recast_kernel", "replace_lookup", "run_first_on_load",
 ]
 
 # The name under which DistributedModelParallel registers the module it wraps.
@@ -147,6 +147,17 @@ def divide_only_row_split_means(sharded: nn.Module) -> None:
         return out
 
     sharded.input_dist = exact_input_dist
+
+
+def run_first_on_load(module: nn.Module, hook: Callable[..., None]) -> None:
+    """Register ``hook(module, state_dict, prefix, *rest)`` as a ``load_state_dict`` pre-hook of
+    ``module`` that runs before the hooks it already has: TorchRec's
+    (``ShardedEmbeddingBagCollection._pre_load_state_dict_hook``, and the EC's) replaces each
+    incoming ``ShardedTensor`` by its local shards (an empty float32 tensor on a rank that holds
+    none), so only a hook before it sees what was saved. Private: torch's
+    ``nn.Module._load_state_dict_pre_hooks`` (an ordered dict, run in order)."""
+    handle = module._register_load_state_dict_pre_hook(hook, with_module=True)
+    module._load_state_dict_pre_hooks.move_to_end(handle.id, last=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -458,6 +469,17 @@ def _probe_comm_hook_left_to_us() -> object:
     return comm_hook_left_to_us
 
 
+def _probe_run_first_on_load() -> object:
+    seen = []
+    module = nn.Linear(1, 1)
+    module.register_load_state_dict_pre_hook(lambda *args: seen.append("theirs"))
+    run_first_on_load(module, lambda *args: seen.append("ours"))
+    module.load_state_dict(module.state_dict())
+    assert seen == ["ours", "theirs"], seen
+    _set_by(ShardedEmbeddingBagCollection, "_pre_load_state_dict_hook")
+    return run_first_on_load
+
+
 # name -> a function that returns the private object (raises if it is gone). Instance
 # attributes are checked in the code of the class that sets them: no instance is needed.
 PRIVATE_APIS: dict[str, Callable[[], object]] = {
@@ -510,6 +532,8 @@ PRIVATE_APIS: dict[str, Callable[[], object]] = {
     "the lookups call each kernel of _emb_modules (edited: recast_kernel)": _probe_recast_kernel,
     "ShardedEmbeddingBagCollection._lookups, ShardedEmbeddingCollection._lookups (edited: replace_lookup)":
         _probe_replace_lookup,
+    "nn.Module._load_state_dict_pre_hooks, run before ShardedEmbeddingBagCollection._pre_load_state_dict_hook "
+    "(edited: run_first_on_load)": _probe_run_first_on_load,
 }
 
 

@@ -32,6 +32,9 @@ Refused at sharding time, with the table's name: an optimizer that needs a
 closure, and a table split into row (column) shards whose optimizer the optimizer
 model (:mod:`overlap_optim.spec`) finds not separable by rows (columns) and that
 has no cross-shard form.
+
+``load_state_dict`` refuses table weights of another dtype than the tables hold, by name
+(:mod:`sharders.weight_dtypes`).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from sharders.live_settings import install_settings_check
 from sharders.optimizer_table import decide
 from sharders.plan import ShardedModulePlan
 from sharders.table_state import ShardedTables
+from sharders.weight_dtypes import install_dtype_check
 
 __all__ = ["CollectionSharder", "check_model", "SAFE_FUSED_PARAMS"]
 
@@ -189,6 +193,7 @@ class CollectionSharder:
         plans.install_plan(
             sharded, ShardedModulePlan(tables, context.round, state, data_parallel)
         )
+        install_dtype_check(sharded, whole.root if whole is not None else None)
         return sharded
 
     def row_split_mean(self, module: nn.Module, table: str, sharding_type: str) -> bool:

@@ -130,6 +130,7 @@ class Config:
     # (sharders.FullyShardWrapper); "user": the user's SGD (our wrapper, DDP without a hook of ours);
     # "user_ddp": the user's SGD under TorchRec's default DDP wrapper
     dense_part: str = "hook"
+    dense_state_bf16: bool = False  # the annotated MLP ("hook", "fsdp") with state_dtype=torch.bfloat16
     clip: tuple[str, str] | None = None  # ("norm" | "value", "tables" | "everything")
     micro: int = 1  # micro-batches per step (the first ones in no_step)
     schedule: bool = False  # a LambdaLR through get_optimizers, the same on each reference optimizer
@@ -370,10 +371,14 @@ class ReferenceTrainer:
                     self.bf16_state.append(optimizer)
                 if t.lazy and path == "torch.optim.SparseAdam":
                     self.lazy[t.key] = optimizer
+        self.dense_optimizer = None  # the annotated MLP's
         if config.dense_part not in ("hook", "fsdp"):
             self.users.append(_class(USER_OPTIMIZER[0])(model.dense.parameters(), **USER_OPTIMIZER[1]))
         else:
-            self.optimizers.append(_class(DENSE_OPTIMIZER[0])(model.dense.parameters(), **DENSE_OPTIMIZER[1]))
+            self.dense_optimizer = _class(DENSE_OPTIMIZER[0])(model.dense.parameters(), **DENSE_OPTIMIZER[1])
+            self.optimizers.append(self.dense_optimizer)
+            if config.dense_state_bf16:
+                self.bf16_state.append(self.dense_optimizer)
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in self.optimizers] if config.schedule else []
 
     def clip_set(self) -> list[torch.Tensor]:
@@ -472,10 +477,10 @@ def _sharding_types(config: Config, other_plan: bool) -> dict[str, str]:
         new = out.get(t.name, swap.get(t.sharding, t.sharding))
         if not t.bagged and new not in EC_SHARDING_TYPES:
             new = "table_wise"
-        if t.optimizer == "rowwise_adagrad_wd" and new in ("column_wise", "table_column_wise"):
-            new = "table_wise"
         if config.vbe and t.mean and new in ("row_wise", "table_row_wise"):  # refused (docs/refusals.md)
             new = "column_wise"
+        if t.optimizer == "rowwise_adagrad_wd" and new in ("column_wise", "table_column_wise"):
+            new = "table_wise"
         out[t.name] = new
     return out
 
@@ -504,10 +509,11 @@ class Ours:
             elif t.optimizer != "user":
                 path, kwargs, _, _ = OPTIMIZERS[t.optimizer]
                 overlap_optim.apply_optimizer_in_backward(_class(path), [weight], kwargs,
-                                                          state_dtype=torch.bfloat16 if t.state_bf16 else None)
+                                                          state_dtype=_state_dtype(t.state_bf16))
         if config.dense_part in ("hook", "fsdp"):
             overlap_optim.apply_optimizer_in_backward(_class(DENSE_OPTIMIZER[0]), model.dense.parameters(),
-                                                      DENSE_OPTIMIZER[1])
+                                                      DENSE_OPTIMIZER[1],
+                                                      state_dtype=_state_dtype(config.dense_state_bf16))
         self.clip = None
         if config.clip is not None:
             members = [tables[t.key].weight for t in config.tables if t.optimizer != "frozen"]
@@ -657,7 +663,9 @@ def _checkpoint(ours: Ours, config: Config, weights: dict[str, torch.Tensor], de
         dcp.save({"model": ours.dmp.state_dict(), "optim": saved}, checkpoint_id=path)
         other = config.checkpoint != "dcp"
         fresh = Ours(config, _scrambled(weights), _scrambled_dense(dense), bound, other_plan=other).shard()
-        planner = dcp.DefaultLoadPlanner(flatten_sharded_tensors=False)  # pieces held by the other rank
+        from overlap_optim import checkpoint
+
+        planner = checkpoint.LoadPlanner()  # pieces held by the other rank kept; dtypes kept
         if config.checkpoint == "dcp":  # torch's recipe: fill fresh state dicts in place, then load them
             state = {"model": fresh.dmp.state_dict(), "optim": fresh.keyed.state_dict()}
             dcp.load(state, checkpoint_id=path, planner=planner)
@@ -756,6 +764,7 @@ def train(rank: int, world_size: int, config: Config, directory: str, resume: bo
         bound = reference.bound([global_batch(parts) for parts in micro_batches(0)])
     middle = (config.steps - 1) // 2
     diffs: dict[str, list[float]] = {}
+    dense_state = {"ulps": 0, "flipped": 0, "elements": 0, "dtypes": []}  # the MLP's BF16 state against the reference's
     if resume:
         for step in range(middle + 1):
             parts = micro_batches(step)
@@ -763,7 +772,7 @@ def train(rank: int, world_size: int, config: Config, directory: str, resume: bo
             rounded.step([global_batch(p) for p in parts], bound,
                          _ulp_jitter(reference.step([global_batch(p) for p in parts], bound)))
         ours = _resumed_on_one_rank(config, weights, dense, bound, directory)
-        _compare(ours, reference, diffs)
+        _compare(ours, reference, diffs, dense_state)
     else:
         try:
             ours = Ours(config, weights, dense, bound)
@@ -804,14 +813,14 @@ def train(rank: int, world_size: int, config: Config, directory: str, resume: bo
         from_exact["dense"] = max(from_exact.get("dense", 0.0), max(
             ((v.full_tensor() if hasattr(v := mine[n], "full_tensor") else v).double() - b).abs().max().item()
             for n, b in exact.model.dense.named_parameters()))
-        _compare(ours, reference, diffs)
+        _compare(ours, reference, diffs, dense_state)
         if config.checkpoint == "one_rank" and step == middle and not resume:
             _save_for_one_rank(ours, config, directory)
             break
         if config.checkpoint not in (None, "one_rank") and step == middle:
             ours = _checkpoint(ours, config, weights, dense, bound, directory,
                                lambda: ours.step([p[rank] for p in micro_batches(step + 1)]))
-            _compare(ours, reference, diffs)
+            _compare(ours, reference, diffs, dense_state)
     moved = {n: (p.detach() - start[n]).abs().max().item() for n, p in reference.model.named_parameters()}
     # one unit in the last place of the stored dtype, at the largest weight: where the float32 sums of the
     # reference and ours come in another order, the one rounding may differ by that much
@@ -820,9 +829,22 @@ def train(rank: int, world_size: int, config: Config, directory: str, resume: bo
         for t in config.tables if t.precision != "fp32"}
     for t in config.tables:  # BF16 state: a state element rounded the other way moves an update by ~ lr * 2^-8
         if t.state_bf16:
-            ulp[t.key] = max(ulp.get(t.key, 0.0), OPTIMIZERS[t.optimizer][1]["lr"] * 2.0**-7 * config.steps)
+            ulp[t.key] = max(ulp.get(t.key, 0.0), _flipped_state(OPTIMIZERS[t.optimizer][1]["lr"], config))
+    if dense_state["flipped"]:  # the MLP's next updates, and through them every table's, moved by a flipped element
+        ulp = {key: max(ulp.get(key, 0.0), _flipped_state(DENSE_OPTIMIZER[1]["lr"], config)) for key in diffs}
     return {"outcome": "exact", "diffs": diffs, "moved": moved, "noise": noise, "from_exact": from_exact, "ulp": ulp,
-            "resume": config.checkpoint == "one_rank" and not resume}
+            "dense_state": dense_state, "resume": config.checkpoint == "one_rank" and not resume}
+
+
+def _state_dtype(bf16: bool) -> torch.dtype | None:
+    return torch.bfloat16 if bf16 else None
+
+
+def _flipped_state(lr: float, config: Config) -> float:
+    """How far BF16 state may take a weight from the reference: a state element whose float32 value
+    lies near a tie, rounded the other way here (its float32 sums come in another order), moves the
+    next updates by up to ``lr`` times one BF16 unit (2^-7 of the element), every step after."""
+    return lr * 2.0**-7 * config.steps
 
 
 def _one_rank_directory(config: Config, directory: str) -> str:
@@ -857,7 +879,12 @@ def _refused(stage: str, err: BaseException, unchanged: bool) -> dict[str, Any]:
     return {"outcome": "refused", "stage": stage, "error": f"{type(err).__name__}: {err}", "unchanged": unchanged}
 
 
-def _compare(ours: Ours, reference: ReferenceTrainer, diffs: dict[str, list[float]]) -> None:
+def _compare(ours: Ours, reference: ReferenceTrainer, diffs: dict[str, list[float]],
+             dense_state: dict[str, Any] | None = None) -> None:
+    """Each table's and the MLP's largest difference from the reference, appended to ``diffs``; with
+    ``dense_state`` and BF16 state on the MLP, that state too (:func:`_compare_dense_state`)."""
+    if dense_state is not None and reference.config.dense_state_bf16:
+        _compare_dense_state(ours, reference, dense_state)
     for t in reference.config.tables:
         full = reference.model.tables[t.key].weight.detach()
         worst = 0.0
@@ -873,6 +900,25 @@ def _compare(ours: Ours, reference: ReferenceTrainer, diffs: dict[str, list[floa
         value = value.full_tensor() if hasattr(value, "full_tensor") else value
         worst = max(worst, (value - ref.detach()).abs().max().item())
     diffs.setdefault("dense", []).append(worst)
+
+
+def _compare_dense_state(ours: Ours, reference: ReferenceTrainer, out: dict[str, Any]) -> None:
+    """Ours' MLP state against the reference's, rounded to BF16 after each step: in ``out``, the largest
+    distance in BF16 units, how many elements differ (a float32 value near a tie, rounded the other way
+    here), of how many compared, and ours' dtypes."""
+    from _precision_bodies import ulps
+
+    state = ours.keyed.state_dict()["state"]
+    for name, param in reference.model.dense.named_parameters():
+        for key, value in reference.dense_optimizer.state.get(param, {}).items():
+            if torch.is_tensor(value) and value.dim():
+                mine = state[f"dense.{name}"][key]
+                mine = mine.full_tensor() if hasattr(mine, "full_tensor") else mine
+                out["dtypes"] = sorted({*out["dtypes"], str(mine.dtype)})
+                theirs = value.to(torch.bfloat16)
+                out["ulps"] = max(out["ulps"], ulps(mine.to(torch.bfloat16), theirs))
+                out["flipped"] += int(mine.to(torch.bfloat16).ne(theirs).sum())
+                out["elements"] += theirs.numel()
 
 
 def new_directory() -> str:

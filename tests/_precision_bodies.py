@@ -261,27 +261,108 @@ def _set(dmp, tables, pooled=True):
 
 
 def checkpoint_dtypes(rank, world_size, directory, saved, loaded):
-    """A checkpoint of ``saved`` tables loaded into ``loaded`` ones: ``{"refused": the message
-    without cast (None if loaded), "unchanged": the tables as they were after it, "ulps": ours
-    after cast=True from the saved weights cast once, to nearest even}``."""
+    """Adagrad tables of dtype ``saved``, trained a step and saved, loaded into fresh ``loaded``
+    ones (zeros) by every load form. Per form, ``{"refused": the message without asking for the cast
+    (None if it loaded), "unchanged": the tables still zero after it, "ulps": ours after the cast (or
+    the load) against the saved weights rounded once by ``.to(loaded)`` (FP32: elements that differ),
+    "state": the optimizer state loaded equals the saved one}``. Forms: ``checkpoint`` (row_wise saved,
+    table_wise loaded; ``checkpoint.load``, then ``cast=True``), ``state_dict`` (plain ``torch.save`` /
+    ``load_state_dict`` of the model and ``get_optimizers``, then the dict's tensors cast by
+    ``.to(loaded)``), ``plain_tensors`` (whole tensors, refusal only) and ``dcp`` (``dcp.load`` with
+    ``checkpoint.LoadPlanner()``, then ``LoadPlanner(cast=True)``)."""
     from overlap_optim import checkpoint
 
     torch.manual_seed(1)
-    weights = [torch.randn(ROWS, DIM).to(saved) for _ in NAMES]
-    source = _sharded(world_size, saved, "sgd", "row_wise", True, weights)
+    source = _sharded(world_size, saved, "adagrad", "row_wise", True, [torch.randn(ROWS, DIM).to(saved) for _ in NAMES])
+    _loss(_outputs(source(_batch(torch.Generator().manual_seed(7 + rank), True)), True),
+          [torch.randn(DIM) for _ in NAMES]).backward()
+    weights = [_whole(source, n, True, saved) for n in NAMES]
     path = checkpoint.save(f"{directory}/{saved}-{loaded}", source, overlap_optim.get_optimizers(source))
-    start = [torch.zeros(ROWS, DIM, dtype=loaded) for _ in NAMES]
-    target = _sharded(world_size, loaded, "sgd", "table_wise", True, start)
-    message = None
-    try:
-        checkpoint.load(path, target, overlap_optim.get_optimizers(target))
-    except checkpoint.CheckpointError as error:
-        message = str(error)
+    target = _sharded(world_size, loaded, "adagrad", "table_wise", True, [torch.zeros(ROWS, DIM, dtype=loaded)] * 2)
+    forms = {
+        "checkpoint": lambda cast: checkpoint.load(path, target, overlap_optim.get_optimizers(target), cast=cast),
+        "state_dict": _plain_load(f"{directory}/{saved}-{loaded}-rank{rank}.pt", source, weights, target, loaded),
+        "dcp": lambda cast: _dcp_load(path, target, cast),
+    }
+    out = {name: _refused_then_cast(target, load, source, weights, loaded) for name, load in forms.items()}
+    if saved != loaded:
+        wholes = {f"embedding_bags.{n}.weight": w for n, w in zip(NAMES, weights)}
+        out["plain_tensors"] = {"refused": _refusal(lambda: target.load_state_dict(wholes)),
+                                "unchanged": all(_whole(target, n, True, loaded).eq(ours.to(loaded)).all().item()
+                                                 for n, ours in zip(NAMES, weights))}
+    return out
+
+
+def _refused_then_cast(target, load, source, weights, loaded):
+    """``load(cast=False)`` on zero tables, then ``load(cast=True)`` (see :func:`checkpoint_dtypes`)."""
+    _set(target, [torch.zeros(ROWS, DIM, dtype=loaded)] * 2)
+    message = _refusal(lambda: load(False))
     unchanged = all(_whole(target, n, True, loaded).eq(0).all().item() for n in NAMES)
-    checkpoint.load(path, target, overlap_optim.get_optimizers(target), cast=True)
-    cast = max(ulps(_whole(target, n, True, loaded), w.to(loaded)) if loaded != torch.float32 else
-               int((_whole(target, n, True, loaded) != w.float()).sum()) for n, w in zip(NAMES, weights))
-    return {"refused": message, "unchanged": unchanged, "ulps": cast}
+    if message is not None:
+        load(True)
+    ours = [_whole(target, n, True, loaded) for n in NAMES]
+    cast = max(ulps(o, w.to(loaded)) if loaded != torch.float32 else int((o != w.float()).sum())
+               for o, w in zip(ours, weights))
+    return {"refused": message, "unchanged": unchanged, "ulps": cast,
+            "state": _same_state(overlap_optim.get_optimizers(source), overlap_optim.get_optimizers(target))}
+
+
+def _refusal(load):
+    """The message of ``load()``'s refusal, None if it loads. ``dcp.load`` raises each rank's error
+    inside its ``CheckpointException``: there, every rank's message, which must be one."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from overlap_optim.checkpoint import CheckpointError
+
+    try:
+        load()
+    except CheckpointError as error:
+        return str(error)
+    except CheckpointException as error:
+        messages = {str(exc) for exc, _ in error.failures.values() if isinstance(exc, CheckpointError)}
+        assert len(messages) == 1 and sorted(error.failures) == list(range(dist.get_world_size())), error
+        return messages.pop()
+    return None
+
+
+def _plain_load(file, source, weights, target, loaded):
+    """The plain torch form: the model saved under the target's plan (table_wise: TorchRec loads a
+    ShardedTensor's local shards as they are), and ``get_optimizers``' state dict."""
+    twin = _sharded(dist.get_world_size(), weights[0].dtype, "adagrad", "table_wise", True, weights)
+    torch.save({"model": twin.state_dict(), "optim": overlap_optim.get_optimizers(source).state_dict()}, file)
+
+    def load(cast):
+        state = torch.load(file, weights_only=False)
+        model = {k: v.to(loaded) for k, v in state["model"].items()} if cast else state["model"]
+        target.load_state_dict(model)
+        overlap_optim.get_optimizers(target).load_state_dict(state["optim"])
+    return load
+
+
+def _dcp_load(path, target, cast):
+    """The documented recipe, with ``checkpoint.LoadPlanner(cast=cast)``."""
+    import torch.distributed.checkpoint as dcp
+
+    from overlap_optim import checkpoint
+
+    opt = overlap_optim.get_optimizers(target)
+    state = {"model": target.state_dict(), "optim": opt.state_dict()}
+    dcp.load(state, checkpoint_id=str(path), planner=checkpoint.LoadPlanner(cast=cast))
+    target.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+
+
+def _same_state(ours, theirs) -> bool:
+    """Whether two keyed optimizers hold equal state (whole tensors, gathered: a collective)."""
+    from overlap_optim._private import ShardedTensor
+    from overlap_optim._state_schema import whole_tensor
+
+    def whole(value):
+        return whole_tensor(value) if isinstance(value, ShardedTensor) else value
+    a, b = ours.state_dict()["state"], theirs.state_dict()["state"]
+    return sorted(a) == sorted(b) and all(
+        sorted(a[k]) == sorted(b[k]) and all(torch.equal(whole(a[k][n]), whole(b[k][n])) for n in sorted(a[k]))
+        for k in sorted(a))
 
 
 def refused(rank, world_size, dtype, optimizer, sharding_type, pooled=True, state_dtype=None, split=False,
@@ -474,3 +555,43 @@ def _clipped_window(rank, world_size, micro, steps, bound):
         diffs_t1.append((_whole(dmp, "t1", True, torch.float32) - copies[1].detach()).abs().max().item())
     return {"ulps": ulps_t0, "diffs": diffs_t1, "norms": norms,
             "moved": ulps(copies[0].detach().to(torch.float16), init[0])}
+
+
+class _DenseFirst(nn.Module):
+    """A dense layer registered before the tables: DMP loads it first."""
+
+    def __init__(self, tables: nn.Module) -> None:
+        super().__init__()
+        self.dense = nn.Linear(2, 2)
+        self.tables = tables
+
+
+def dense_first(rank, world_size):
+    """A state dict with FP32 tables loaded into the FP16 tables of a model whose dense layer DMP loads
+    first: ``{"refused": the message, "unchanged": the dense layer and the tables as they were}``."""
+    torch.manual_seed(2)
+    model = _DenseFirst(_collection(torch.float16, True))
+    sharder = sharders.EmbeddingBagCollectionSharder()
+    apply_optimizer_in_backward(torch.optim.SGD, model.tables.parameters(), {"lr": 0.1})
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device="cpu"),
+        constraints={n: ParameterConstraints(sharding_types=["table_wise"]) for n in NAMES})
+    plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
+    dmp = DistributedModelParallel(model, plan=plan, sharders=[sharder], device=torch.device("cpu"))
+    before = _snapshot(dmp)
+    state = dict(dmp.state_dict())
+    state["dense.weight"] = state["dense.weight"] + 1
+    state["tables.embedding_bags.t0.weight"] = state["tables.embedding_bags.t0.weight"].to(torch.float32)
+    message = _refusal(lambda: dmp.load_state_dict(state))
+    after = _snapshot(dmp)
+    unchanged = sorted(before) == sorted(after) and all(
+        all(torch.equal(a, b) for a, b in zip(before[k], after[k])) for k in before)
+    return {"refused": message, "unchanged": unchanged}
+
+
+def _snapshot(dmp):
+    """Copies of this rank's part of every entry of ``dmp.state_dict()``."""
+    from overlap_optim._private import ShardedTensor
+
+    return {k: [s.tensor.clone() for s in v.local_shards()] if isinstance(v, ShardedTensor) else [v.clone()]
+            for k, v in dmp.state_dict().items()}

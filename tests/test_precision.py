@@ -21,7 +21,7 @@ import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-from _precision_bodies import checkpoint_dtypes, clipped_window, ddp_state, refused, train
+from _precision_bodies import checkpoint_dtypes, clipped_window, ddp_state, dense_first, refused, train
 from overlap_optim.testing import run_cases, selected_cases
 from sharders import fused_rows
 
@@ -139,9 +139,15 @@ CHECKPOINTS = {  # saved as, loaded into
     "checkpoint/fp32_into_fp16": (torch.float32, torch.float16),
     "checkpoint/fp32_into_bf16": (torch.float32, torch.bfloat16),
     "checkpoint/fp16_into_fp32": (torch.float16, torch.float32),
+    "checkpoint/fp16_into_fp16": (torch.float16, torch.float16),
+    "checkpoint/bf16_into_bf16": (torch.bfloat16, torch.bfloat16),
 }
+CAST = [name for name, (saved, loaded) in CHECKPOINTS.items() if saved != loaded]
+SAME = [name for name, (saved, loaded) in CHECKPOINTS.items() if saved == loaded]
+# How each load form asks for the cast, as its refusal says.
+FORMS = {"checkpoint": "pass cast=True", "state_dict": "value.to({loaded})", "dcp": "LoadPlanner(cast=True)"}
 ALL = {**CASES, **CROSS_SHARD, **STATE, **DDP_STATE, **WINDOWS, **MUTANTS, **REFUSED,
-       **{name: None for name in CHECKPOINTS}}
+       **{name: None for name in CHECKPOINTS}, "checkpoint/dense_layer_first": dense_first}
 
 
 @pytest.fixture(scope="module")
@@ -237,13 +243,50 @@ def test_what_cannot_meet_the_reference_is_refused_by_table(ranks, case):
     assert "table 't0'" in messages[0] and any(s in messages[0] for s in ("FP16", "BF16", "state_dtype")), messages[0]
 
 
-@pytest.mark.parametrize("case", list(CHECKPOINTS))
-def test_a_checkpoint_of_another_dtype_is_refused_unless_cast(ranks, case):
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("case", CAST)
+def test_a_weight_of_another_dtype_is_refused_in_every_load_form_unless_cast(ranks, case, form):
+    """checkpoint.load, plain load_state_dict and dcp.load with our planner refuse, on every rank alike,
+    naming each table and both dtypes, with nothing changed; asked, each casts once, to nearest even."""
+    saved, loaded = CHECKPOINTS[case]
+    results = [result[form] for result in ranks[case]]
+    assert results[0]["refused"] == results[1]["refused"], "not the same refusal on every rank"
+    for result in results:
+        message = result["refused"]
+        assert message is not None, f"{form}: {saved} loaded into {loaded} without asking"
+        for table in ("t0", "t1"):
+            assert f"embedding_bags.{table}.weight: saved {saved}, the model holds {loaded}" in message, message
+        assert FORMS[form].format(loaded=loaded) in message, message
+        assert result["unchanged"], f"{form}: the refused load changed the tables"
+        assert result["ulps"] == 0, f"{form}, cast: not the saved weights rounded once: {result}"
+        assert result["state"], f"{form}: the optimizer state loaded is not the saved one"
+
+
+@pytest.mark.parametrize("case", CAST)
+def test_whole_tensors_of_another_dtype_are_refused(ranks, case):
+    saved, loaded = CHECKPOINTS[case]
     for result in ranks[case]:
-        assert result["refused"] is not None and "cast=True" in result["refused"], result
-        assert "embedding_bags.t0.weight: saved torch.float" in result["refused"], result["refused"]
-        assert result["unchanged"], "the refused load changed the tables"
-        assert result["ulps"] == 0, f"cast=True: not the saved weights rounded once: {result}"
+        message = result["plain_tensors"]["refused"]
+        assert f"embedding_bags.t1.weight: saved {saved}, the model holds {loaded}" in message, message
+        assert result["plain_tensors"]["unchanged"], "the refused load changed the tables"
+
+
+def test_a_refused_load_state_dict_changes_no_layer_loaded_before_the_tables(ranks):
+    """DMP loads module by module: the check runs at the model's root, before its dense layer."""
+    results = ranks["checkpoint/dense_layer_first"]
+    assert results[0]["refused"] == results[1]["refused"], "not the same refusal on every rank"
+    message = results[0]["refused"]
+    assert "tables.embedding_bags.t0.weight: saved torch.float32, the model holds torch.float16" in message, message
+    assert all(result["unchanged"] for result in results), "the refused load changed the model"
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("case", SAME)
+def test_a_weight_of_the_same_dtype_loads_in_every_form(ranks, case, form):
+    """No false refusal: the weights and the optimizer state load exactly."""
+    for result in ranks[case]:
+        assert result[form]["refused"] is None, result[form]["refused"]
+        assert result[form]["ulps"] == 0 and result[form]["state"], result[form]
 
 
 @pytest.mark.parametrize("options", [{}, {"foreach": True}], ids=["own_step", "foreach_group"])
