@@ -77,7 +77,7 @@ __all__ = ["CollectionSharder", "check_model", "SAFE_FUSED_PARAMS"]
 SAFE_FUSED_PARAMS = frozenset({
     "cache_load_factor", "cache_algorithm", "cache_reserved_memory", "prefetch_pipeline", "enforce_hbm",
     "bounds_check_mode", "use_one_tbe_per_table",
-    "stochastic_rounding",  # rounds only low-precision weights, which are refused (float32 only)
+    "stochastic_rounding",  # rounds only FBGEMM's own FP16 updates, which never step a table (ours do on CPU)
 })
 
 
