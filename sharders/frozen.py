@@ -8,7 +8,11 @@ over the annotation). It holds no optimizer state and does no gradient work:
   its own whose backward drops the output gradient. The kernel's output still
   requires grad, so the output all-to-all's backward runs on every rank, as its
   peers expect;
-- data_parallel: its kernel's weights leave DDP, so nothing is all-reduced.
+- data_parallel: its kernel's weights leave DDP, so nothing is all-reduced, and the kernel runs
+  as on the other types.
+
+An FP16 or BF16 table is looked up in float32 (:mod:`sharders.pooling`), as the
+fallback's are: FBGEMM's CPU TBE has no BF16 lookup.
 
 Setting ``requires_grad`` back to True on the sharded weight is refused at the
 next lookup, on every rank, naming the table: the decision was made at
@@ -39,6 +43,8 @@ class FrozenTable(TableKernel):
     semantics = "frozen"
     family = "frozen"
     sharded_state = False
+    # Looked up only: rows read in float32 (sharders.pooling), never written.
+    precisions = frozenset({torch.float32, torch.float16, torch.bfloat16})
     # First: it wraps a data-parallel lookup again without its frozen weights; the others hook the new one.
     install_order = -1
 
@@ -56,6 +62,9 @@ class FrozenTable(TableKernel):
         for i, lookup in enumerate(lookups):
             if isinstance(lookup, DistributedDataParallel):
                 _private.replace_lookup(context.sharded, i, without_tables(lookup, names))
+                for kernel in _private.kernels_of_lookup(lookup.module):  # as on the other sharding types
+                    if kernel.config.embedding_tables[0].name in names:
+                        FrozenRows.adopt(kernel)
         for table in tables:  # the weights no longer require grad: so their views say
             bag = context.table_module(table.table)
             weight = getattr(bag, "weight", None)

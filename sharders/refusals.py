@@ -70,12 +70,12 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(
         "low_precision_table",
         "an FP16 or BF16 table (EmbeddingBagConfig(data_type=DataType.FP16)) that no in-backward optimizer "
-        "of ours steps (frozen, or stepped by the user's optimizer)",
+        "of ours steps and that is not frozen: stepped by the user's optimizer",
         "shard",
         "the exact reference (torch.optim in float32 on the stored weights, rounded once) is built for the "
         "fallback (touched rows, the whole shard, a cross-shard table's shards, or a data-parallel table's whole "
         "table on its gradient averaged across ranks); the user's optimizer would get and step a gradient in the "
-        "stored dtype, and frozen low-precision tables are not built yet",
+        "stored dtype",
         "an in-backward optimizer on a model-parallel sharding type or data_parallel (fused where our compiled "
         "backward steps FP16: FBGEMM's own CPU backward rounds twice and it has no BF16 kernels), or a float32 "
         "table",

@@ -595,3 +595,25 @@ def _snapshot(dmp):
 
     return {k: [s.tensor.clone() for s in v.local_shards()] if isinstance(v, ShardedTensor) else [v.clone()]
             for k, v in dmp.state_dict().items()}
+
+
+def frozen_lookup(rank, world_size, dtype, sharding_type, pooled=True, steps=2):
+    """Frozen ``dtype`` tables (requires_grad=False when sharded): ``{"diff": the largest difference of
+    our lookup from embedding_bag on the stored weights read in float32, "unchanged": the tables
+    bitwise as set}``; a backward runs where the output requires grad (it changes nothing)."""
+    torch.manual_seed(0)
+    init = [(torch.randn(ROWS, DIM) * 0.5).to(dtype) for _ in NAMES]
+    heads = [torch.randn(DIM) for _ in NAMES]
+    dmp = _sharded(world_size, dtype, "adam", sharding_type, pooled, init, frozen=True)
+    diff = 0.0
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(200 + step)
+        parts = [_batch(generator, cover=True) for _ in range(world_size)]
+        outputs = _outputs(dmp(parts[rank]), pooled)
+        expected = _reference_outputs([t.float() for t in init], parts[rank], pooled)
+        diff = max(diff, *((o.float() - e).abs().max().item() for o, e in zip(outputs, expected)))
+        loss = _loss(outputs, heads)
+        if loss.requires_grad:
+            loss.backward()
+    unchanged = all(torch.equal(_whole(dmp, n, pooled, dtype), t) for n, t in zip(NAMES, init))
+    return {"diff": diff, "unchanged": unchanged}

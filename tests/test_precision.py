@@ -21,7 +21,9 @@ import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-from _precision_bodies import checkpoint_dtypes, clipped_window, ddp_state, dense_first, refused, train
+from _precision_bodies import (
+    checkpoint_dtypes, clipped_window, ddp_state, dense_first, frozen_lookup, refused, train,
+)
 from overlap_optim.testing import run_cases, selected_cases
 from sharders import fused_rows
 
@@ -129,12 +131,15 @@ MUTANTS = {
                                                    sharding_type="data_parallel", mutant="dp_round_gradient"),
 }
 REFUSED = {
-    # looked up only (requires_grad=False), or stepped by the user's own optimizer on its FP16 .grad
-    "refused/data_parallel_frozen": partial(refused, dtype=torch.float16, optimizer="adam",
-                                            sharding_type="data_parallel", frozen=True),
+    # stepped by the user's own optimizer on its FP16 .grad
     "refused/data_parallel_user": partial(refused, dtype=torch.bfloat16, optimizer="user",
                                           sharding_type="data_parallel"),
 }
+# Frozen tables (requires_grad=False): looked up in float32, never written.
+FROZEN = {f"frozen/{dtype_name}/{sharding_type}{'' if pooled else '/ec'}": partial(
+    frozen_lookup, dtype=dtype, sharding_type=sharding_type, pooled=pooled)
+    for dtype_name, dtype in DTYPES.items() for sharding_type in ("table_wise", "row_wise", "data_parallel")
+    for pooled in (True, False)}
 CHECKPOINTS = {  # saved as, loaded into
     "checkpoint/fp32_into_fp16": (torch.float32, torch.float16),
     "checkpoint/fp32_into_bf16": (torch.float32, torch.bfloat16),
@@ -146,7 +151,7 @@ CAST = [name for name, (saved, loaded) in CHECKPOINTS.items() if saved != loaded
 SAME = [name for name, (saved, loaded) in CHECKPOINTS.items() if saved == loaded]
 # How each load form asks for the cast, as its refusal says.
 FORMS = {"checkpoint": "pass cast=True", "state_dict": "value.to({loaded})", "dcp": "LoadPlanner(cast=True)"}
-ALL = {**CASES, **CROSS_SHARD, **STATE, **DDP_STATE, **WINDOWS, **MUTANTS, **REFUSED,
+ALL = {**CASES, **CROSS_SHARD, **STATE, **DDP_STATE, **WINDOWS, **MUTANTS, **REFUSED, **FROZEN,
        **{name: None for name in CHECKPOINTS}, "checkpoint/dense_layer_first": dense_first}
 
 
@@ -241,6 +246,13 @@ def test_what_cannot_meet_the_reference_is_refused_by_table(ranks, case):
     messages = ranks[case]
     assert messages[0] is not None and messages[0] == messages[1], messages
     assert "table 't0'" in messages[0] and any(s in messages[0] for s in ("FP16", "BF16", "state_dtype")), messages[0]
+
+
+@pytest.mark.parametrize("case", list(FROZEN))
+def test_a_frozen_table_is_looked_up_in_float32_and_never_written(ranks, case):
+    for result in ranks[case]:
+        assert result["diff"] <= 1e-6, (case, result["diff"])  # measured: 0 in every case
+        assert result["unchanged"], f"{case}: a frozen table changed"
 
 
 @pytest.mark.parametrize("form", list(FORMS))

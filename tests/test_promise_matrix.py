@@ -45,9 +45,9 @@ PREDICATES = {
     "fused_params_update_keys": lambda c: bool({k for k, _ in c.fused_params} - SAFE_FUSED_PARAMS),
     "unrunnable_compute_kernel": lambda c: any(t.kernel not in (None, "fused", "dense") for t in c.tables),
     # FP16 and BF16 run in the fallback: lazy, dense, cross-shard, and data_parallel (the whole table, its
-    # gradient averaged across ranks); frozen and user tables are float32 only. BF16 state runs in every kind
-    # that steps a table (low_precision_state: FSDP2, not drawn here)
-    "low_precision_table": lambda c: any(t.precision != "fp32" and t.optimizer in NO_OPTIMIZER for t in c.tables),
+    # gradient averaged across ranks); frozen ones are looked up in float32; user tables are float32 only.
+    # BF16 state runs in every kind that steps a table (low_precision_state: FSDP2, not drawn here)
+    "low_precision_table": lambda c: any(t.precision != "fp32" and t.optimizer == "user" for t in c.tables),
     # the matrix declares VBE (variable_batch=True): fused tables that cannot take it go to the fallback
     "variable_batch": lambda c: c.vbe and (
         c.micro > 1 or any(t.sharding == "data_parallel" or t.optimizer in NO_OPTIMIZER
@@ -274,8 +274,7 @@ def directory():
                         T("s0", "ec", 9, "row_wise", "adagrad", precision="fp16")), micro=2, cover=False,
                        checkpoint="dcp_other_plan"))
 # FP16 and BF16 data-parallel tables (the replicated kind) beside a float32 one: clipped by norm with the MLP,
-# in a window, BF16 state, a checkpoint under another plan; an EC's layer-wise one, through DCP; a frozen one
-# (refused).
+# in a window, BF16 state, a checkpoint under another plan; an EC's layer-wise one, through DCP; a frozen one.
 @example(config=Config((T("t0", "ebc", 7, "data_parallel", "adam", precision="fp16"),
                         T("t1", "ebc", 9, "data_parallel", "sgd_momentum", precision="bf16", state_bf16=True),
                         T("t2", "ebc", 5, "data_parallel", "adagrad")), cover=False,
