@@ -63,6 +63,8 @@ for dtype_name, dtype in DTYPES.items():
     for optimizer in EXACT:
         CASES[f"{dtype_name}/{optimizer}/data_parallel"] = partial(train, dtype=dtype, optimizer=optimizer,
                                                                    sharding_type="data_parallel")
+    CASES[f"{dtype_name}/adafactor/data_parallel"] = partial(train, dtype=dtype, optimizer="adafactor",
+                                                             sharding_type="data_parallel")
     CASES[f"{dtype_name}/adam/data_parallel/ec"] = partial(train, dtype=dtype, optimizer="adam",
                                                            sharding_type="data_parallel", pooled=False)
 # Cross-shard tables: a layer-wise optimizer on a table split across ranks, RowWiseAdagrad on column shards. Each
@@ -70,7 +72,8 @@ for dtype_name, dtype in DTYPES.items():
 CROSS_SHARD = {}
 for dtype_name, dtype in DTYPES.items():
     for optimizer, sharding_type in (("adafactor", "row_wise"), ("adafactor", "column_wise"), ("lamb", "row_wise"),
-                                     ("lamb", "column_wise"), ("rowwise_adagrad", "column_wise")):
+                                     ("lamb", "column_wise"), ("rowwise_adagrad", "column_wise"),
+                                     ("adafactor", "table_row_wise")):
         CROSS_SHARD[f"{dtype_name}/{optimizer}/{sharding_type}/cross_shard"] = partial(
             train, dtype=dtype, optimizer=optimizer, sharding_type=sharding_type, split=True)
 # Optimizer state kept in BF16 or FP16 (state_dtype=): the reference rounds each state tensor after each step.
