@@ -368,3 +368,34 @@ def test_state_an_optimizer_makes_when_built_is_kept_in_state_dtype(cls):
     table = DenseTableOptimizer(torch.zeros(4, 2, dtype=torch.float16), group, "t0")
     assert table.state["sum"].dtype == torch.bfloat16, table.state
     assert table.state["step"].dtype == torch.float32, table.state  # a step counter keeps its dtype
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.Adam], ids=["sgd_fused", "adam_fallback"])
+def test_tables_of_different_dtypes_never_share_a_kernel(world_of_one, optimizer):
+    """FP32, FP16 and BF16 tables of one collection, one annotation, one sharding type: each kernel
+    holds tables of one dtype, and describe() names it."""
+    import torch.distributed as dist
+    from torchrec import DataType, EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+
+    import sharders
+    from overlap_optim import apply_optimizer_in_backward
+    from sharders.describe import kernel_rows
+
+    types = {"t0": DataType.FP32, "t1": DataType.FP16, "t2": DataType.BF16, "t3": DataType.FP16}
+    ebc = EmbeddingBagCollection(device=torch.device("meta"), tables=[
+        EmbeddingBagConfig(name=n, embedding_dim=8, num_embeddings=16, feature_names=[f"f_{n}"], data_type=t)
+        for n, t in types.items()])
+    apply_optimizer_in_backward(optimizer, ebc.parameters(), {"lr": 0.1})
+    sharder = sharders.EmbeddingBagCollectionSharder()
+    plan = EmbeddingShardingPlanner(
+        topology=Topology(world_size=1, compute_device="cpu"),
+        constraints={n: ParameterConstraints(sharding_types=["table_wise"]) for n in types},
+    ).collective_plan(ebc, [sharder], dist.group.WORLD)
+    dmp = DistributedModelParallel(ebc, plan=plan, sharders=[sharder], device=torch.device("cpu"))
+    names = {"FP32": DataType.FP32, "FP16": DataType.FP16, "BF16": DataType.BF16}
+    kernels = [(row[4].split(", "), row[9].split(" / ")[0]) for row in kernel_rows(dmp)]
+    assert sorted(t for tables, _ in kernels for t in tables) == sorted(types), kernels
+    for tables, dtype in kernels:
+        assert {types[t] for t in tables} == {names[dtype]}, kernels
