@@ -359,12 +359,19 @@ class LoadPlanner(dcp.DefaultLoadPlanner):
             checked.
         **kwargs: ``DefaultLoadPlanner``'s other arguments (``allow_partial_load``).
 
+    Raises:
+        TypeError: ``cast`` is not a bool, or ``weights`` not a string.
+
     Example:
         >>> state = {"model": model.state_dict(), "optim": opt.state_dict()}
         >>> dcp.load(state, checkpoint_id=path, planner=checkpoint.LoadPlanner())
     """
 
     def __init__(self, cast: bool = False, *, weights: str = "model", **kwargs: Any) -> None:
+        if not isinstance(cast, bool):
+            raise TypeError(f"LoadPlanner: cast takes True or False, got {cast!r}")
+        if not isinstance(weights, str):
+            raise TypeError(f"LoadPlanner: weights takes the name of the state dict's model entry, got {weights!r}")
         super().__init__(flatten_sharded_tensors=False, **kwargs)
         self.cast = cast
         self.weights = weights

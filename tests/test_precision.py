@@ -399,3 +399,11 @@ def test_tables_of_different_dtypes_never_share_a_kernel(world_of_one, optimizer
     assert sorted(t for tables, _ in kernels for t in tables) == sorted(types), kernels
     for tables, dtype in kernels:
         assert {types[t] for t in tables} == {names[dtype]}, kernels
+
+
+@pytest.mark.parametrize("kwargs", [{"cast": "yes"}, {"cast": 1}, {"weights": 0}], ids=["str", "int", "weights"])
+def test_the_load_planner_refuses_a_bad_argument_by_name(kwargs):
+    from overlap_optim.checkpoint import LoadPlanner
+
+    with pytest.raises(TypeError, match=r"LoadPlanner: (cast takes True or False|weights takes the name)"):
+        LoadPlanner(**kwargs)
