@@ -277,8 +277,10 @@ void step_row(const Table& t, int64_t row, const float* g, int64_t optimizer, fl
   narrow(wide.data(), w, t.dim);
 }
 
-// Every cache line of a row (and of its Adagrad state): a touched row is rarely in cache.
-void prefetch_row(const Table& t, int64_t row, int64_t optimizer) {
+// Every cache line of a row (and of its Adagrad state): a touched row is rarely in cache. Always inlined:
+// as a function of its own GCC finds it free of side effects and drops every call (the object file had no
+// prefetch instruction, and the pass ran 3x slower).
+__attribute__((always_inline)) inline void prefetch_row(const Table& t, int64_t row, int64_t optimizer) {
   const int64_t element = t.half ? 2 : 4, bytes = t.dim * element;
   const char* w = static_cast<const char*>(t.weight) + row * bytes;
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(w + b, 1);
@@ -322,8 +324,8 @@ void fused_rows_step_(const at::Tensor& grad, const at::Tensor& indices, const a
   const int64_t runs = static_cast<int64_t>(l.starts.size()) - 1, width = max_dim(dims);
   const float minus_lr = static_cast<float>(-lr), epsilon = static_cast<float>(eps);
   at::parallel_for(0, runs, kChunk, [&](int64_t begin, int64_t end) {
-    // A block of rows at a time (measured: 30% faster than summing and stepping row by row with the
-    // rows 16 ahead prefetched, whose sum and step contend for the same misses).
+    // A block of rows at a time (measured with the prefetches issued: as fast as summing and stepping row
+    // by row with the rows 4-16 ahead prefetched, or blocks of 8-32, within this machine's noise).
     std::vector<float> buffer(kBlock * width);
     for (int64_t first = begin; first < end; first += kBlock) {
       const int64_t last = std::min(end, first + kBlock);
