@@ -363,6 +363,37 @@ double row_partial(const float* g, int64_t dim, double norm_type) {
   return total;
 }
 
+bool has_avx2_fma() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+
+// sum_run and row_partial for p = 2 in one pass, 8 columns at a time (dim a multiple of 8): each column's
+// sum made as sum_run makes it (0, then each id's gradient, scaled, added in the order of the ids: the
+// same bits), stored, and its squares added in float64 (the order of those adds is this function's own).
+// Measured: half the time of the two calls, whose second re-read the row and was bound by its adds.
+__attribute__((target("avx2,fma")))
+double sum_run_squares(float* g, const Lookup& l, int64_t u, int64_t dim) {
+  __m256d low = _mm256_setzero_pd(), high = _mm256_setzero_pd();
+  const int64_t first = l.starts[u], last = l.starts[u + 1];
+  for (int64_t j = 0; j < dim; j += 8) {
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t k = first; k < last; ++k) {
+      const overlap_optim::Entry& e = l.entries[k];
+      __m256 v = _mm256_loadu_ps(l.source(e) + j);
+      if (l.scaled) v = _mm256_mul_ps(_mm256_set1_ps(e.scale), v);
+      sum = _mm256_add_ps(sum, v);
+    }
+    _mm256_storeu_ps(g + j, sum);
+    const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(sum)), b = _mm256_cvtps_pd(_mm256_extractf128_ps(sum, 1));
+    low = _mm256_fmadd_pd(a, a, low);
+    high = _mm256_fmadd_pd(b, b, high);
+  }
+  const __m256d both = _mm256_add_pd(low, high);
+  const __m128d pair = _mm_add_pd(_mm256_castpd256_pd128(both), _mm256_extractf128_pd(both, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(pair, _mm_unpackhi_pd(pair, pair)));
+}
+
 // The first half under clipping by norm: each touched row's gradient summed into `summed` (resized to
 // hold them: the caller keeps it from step to step, so its pages stay mapped), the rows of table 0
 // first, each table's in ascending id order. Returns [partial, then each table's touched ids]; the
@@ -397,6 +428,7 @@ std::vector<at::Tensor> fused_rows_coalesce(const at::Tensor& grad, const at::Te
     ids[t] = out.back().data_ptr<int64_t>();
   }
   const bool inf = std::isinf(norm_type);
+  const bool two_norm_avx2 = norm_type == 2.0 && has_avx2_fma();
   const int64_t chunks = (runs + kChunk - 1) / kChunk;
   std::vector<double> partials(chunks, 0.0);
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
@@ -406,8 +438,13 @@ std::vector<at::Tensor> fused_rows_coalesce(const at::Tensor& grad, const at::Te
         const int64_t t = l.table(u), local = u - first[t];
         float* g = sums + start[t] + local * dims[t];
         ids[t][local] = l.row(u);
-        sum_run(g, l, u, dims[t]);
-        const double part = row_partial(g, dims[t], norm_type);
+        double part;
+        if (two_norm_avx2 && dims[t] % 8 == 0) {
+          part = sum_run_squares(g, l, u, dims[t]);
+        } else {
+          sum_run(g, l, u, dims[t]);
+          part = row_partial(g, dims[t], norm_type);
+        }
         total = inf ? std::max(total, part) : total + part;
       }
       partials[c] = total;
