@@ -19,12 +19,14 @@ states), where FBGEMM's CPU backward rounds the update to FP16 before adding it 
 roundings a step). Its state stays FBGEMM's float32.
 
 Clipped by norm, the pass runs in two halves (:meth:`CompiledBackward.partial_norm`,
-then :meth:`CompiledBackward.step`): the first sums each touched row once and adds
-its ``|g|^p`` to this rank's partial norm, keeping only the summed rows; the second,
-once the round has the coefficient, scales and steps them. There is no second pass
-over the ids. The summed rows live in a buffer each clipped kernel keeps from step to
-step (as large as its largest step's touched rows): made afresh at every step, its
-pages were faulted in again each time.
+then :meth:`CompiledBackward.step`): the first sorts the ids and adds each touched
+row's ``|g|^p`` to this rank's partial norm; the second, once the round has the
+coefficient, scales each row's gradient and steps it. There is no second pass over the
+ids. Between the halves the kernel keeps each touched row's gradient: summed where
+several ids touched the row, and where one id did, a reference to that id's output
+gradient row and scale (the output gradient is held until the step anyway). Both live
+in buffers each clipped kernel keeps from step to step (as large as its largest step
+needs): made afresh at every step, their pages were faulted in again each time.
 
 Which backward a fused kernel runs is a function of its configuration, the same on
 every rank (:func:`applies`): ours where the operators are built and the kernel is
@@ -75,8 +77,9 @@ class CompiledBackward:
         self._feature_offset = [int(d) for d in emb.D_offsets.tolist()[:-1]]
         self._rows = [int(rows) for rows, *_ in emb.embedding_specs]
         self._dims = [int(dim) for _, dim, *_ in emb.embedding_specs]
-        self._coalesced: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # ids, summed rows
-        self._summed = torch.empty(0)  # the summed rows of the first half, for the second
+        self._held: torch.Tensor | None = None  # the output gradient the first half read, for the second
+        self._summed = torch.empty(0)  # the first half's summed rows (of rows several ids touched)
+        self._touched = torch.empty(0, dtype=torch.long)  # the first half's touched rows, for the second
 
     def _tables(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """FBGEMM's weight and state of each table, as views (taken at every step: a load may
@@ -101,27 +104,24 @@ class CompiledBackward:
 
     def partial_norm(self, lookup: Lookup, grad: torch.Tensor, norm_type: float) -> torch.Tensor:
         """The first half under clipping by norm: ``sum |g|^p`` (``max |g|`` for inf) over the
-        summed gradients of the rows ``lookup`` touched (float64, one element); the summed rows
-        are kept for :meth:`step`, in the kernel's buffer (see the module doc)."""
-        assert self._coalesced is None, "a partial norm made twice before its step"
-        out = _COALESCE(*self._inputs(lookup, grad), self._rows, self._dims, float(norm_type), self._summed)
-        ids, summed, start = out[1:], [], 0
-        for rows, dim in zip(ids, self._dims):
-            summed.append(self._summed[start : start + rows.numel() * dim].view(rows.numel(), dim))
-            start += rows.numel() * dim
-        self._coalesced = (ids, summed)
-        return out[0]
+        summed gradients of the rows ``lookup`` touched (float64, one element); what :meth:`step`
+        needs of them is kept in the kernel's buffers (see the module doc)."""
+        assert self._held is None, "a partial norm made twice before its step"
+        inputs = self._inputs(lookup, grad)
+        partial = _COALESCE(*inputs, self._rows, self._dims, float(norm_type), self._summed, self._touched)
+        self._held = inputs[0]
+        return partial
 
     def step(self, lookup: Lookup, grad: torch.Tensor, coefficient: torch.Tensor | None) -> None:
         """Update the rows ``lookup`` touched, in place. With ``coefficient`` (clipping by norm),
-        the rows :meth:`partial_norm` summed are scaled by it and stepped; without, the whole
+        the gradients :meth:`partial_norm` made are scaled by it and stepped; without, the whole
         backward runs in one pass."""
         weights, states = self._tables()
         lr, eps = self._settings()
         if coefficient is None:
-            assert self._coalesced is None, "summed rows kept, but no clipping coefficient"
+            assert self._held is None, "a partial norm made, but no clipping coefficient"
             _STEP(*self._inputs(lookup, grad), weights, states, self._optimizer, lr, eps)
             return
-        assert self._coalesced is not None, "clipped without its partial norm"
-        (ids, summed), self._coalesced = self._coalesced, None
-        _APPLY(weights, states, ids, summed, self._optimizer, lr, eps, float(coefficient))
+        assert self._held is not None, "clipped without its partial norm"
+        held, self._held = self._held, None
+        _APPLY(weights, states, held, self._touched, self._summed, self._optimizer, lr, eps, float(coefficient))

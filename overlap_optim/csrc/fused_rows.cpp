@@ -19,8 +19,12 @@
 // the update to FP16 before adding it: two roundings a step.
 //
 // Clipping by norm splits the pass in two (fused_rows_coalesce, then fused_rows_apply_): the first
-// sums each touched row and adds its |g|^p (max |g| for p = inf) to a float64 partial, keeping
-// only the summed rows; the second multiplies them by the clipping coefficient and steps them.
+// sorts the ids and adds each touched row's |g|^p (max |g| for p = inf) to a float64 partial, keeping
+// each touched row's gradient: summed, where several ids touched the row; where one id did, a reference
+// to that id's output gradient row and scale (the caller holds the output gradient until the second
+// half), and its part of the norm from its bag's, made once per bag. The second multiplies each
+// gradient by the clipping coefficient and steps the row. Only the rows several ids touched are summed
+// and stored (on rank 0 of benchmarks/clipping.py, 52k of 243k touched rows a step: 13 MB, not 62).
 //
 // Deterministic for any number of threads: a row's gradients are summed by one thread in the
 // order of the ids, and the partial norm is summed over fixed chunks of rows, then over the
@@ -368,6 +372,20 @@ bool has_avx2_fma() {
   return yes;
 }
 
+// 8 floats' squares added in float64 to two accumulators of 4 lanes, and the accumulators' total.
+__attribute__((target("avx2,fma"), always_inline)) inline void add_squares(__m256 v, __m256d& low, __m256d& high) {
+  const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+  const __m256d b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+  low = _mm256_fmadd_pd(a, a, low);
+  high = _mm256_fmadd_pd(b, b, high);
+}
+
+__attribute__((target("avx2,fma"), always_inline)) inline double lanes_total(__m256d low, __m256d high) {
+  const __m256d both = _mm256_add_pd(low, high);
+  const __m128d pair = _mm_add_pd(_mm256_castpd256_pd128(both), _mm256_extractf128_pd(both, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(pair, _mm_unpackhi_pd(pair, pair)));
+}
+
 // sum_run and row_partial for p = 2 in one pass, 8 columns at a time (dim a multiple of 8): each column's
 // sum made as sum_run makes it (0, then each id's gradient, scaled, added in the order of the ids: the
 // same bits), stored, and its squares added in float64 (the order of those adds is this function's own).
@@ -386,48 +404,93 @@ double sum_run_squares(float* g, const Lookup& l, int64_t u, int64_t dim) {
       sum = _mm256_add_ps(sum, v);
     }
     _mm256_storeu_ps(g + j, sum);
-    const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(sum));
-    const __m256d b = _mm256_cvtps_pd(_mm256_extractf128_ps(sum, 1));
-    low = _mm256_fmadd_pd(a, a, low);
-    high = _mm256_fmadd_pd(b, b, high);
+    add_squares(sum, low, high);
   }
-  const __m256d both = _mm256_add_pd(low, high);
-  const __m128d pair = _mm_add_pd(_mm256_castpd256_pd128(both), _mm256_extractf128_pd(both, 1));
-  return _mm_cvtsd_f64(_mm_add_sd(pair, _mm_unpackhi_pd(pair, pair)));
+  return lanes_total(low, high);
 }
 
-// The first half under clipping by norm: each touched row's gradient summed into `summed` (resized to
-// hold them: the caller keeps it from step to step, so its pages stay mapped), the rows of table 0
-// first, each table's in ascending id order. Returns [partial, then each table's touched ids]; the
-// partial is float64: sum |g|^p over the summed rows' elements, or max |g| for norm_type = inf.
-std::vector<at::Tensor> fused_rows_coalesce(const at::Tensor& grad, const at::Tensor& indices,
-                                            const at::Tensor& offsets,
-                                            const std::optional<at::Tensor>& per_sample_weights, int64_t pooling,
-                                            std::vector<int64_t> feature_table, std::vector<int64_t> feature_offset,
-                                            std::vector<int64_t> rows, std::vector<int64_t> dims, double norm_type,
-                                            const at::Tensor& summed) {
+// A touched row as the first half under clipping by norm leaves it for the second: its table and row, and
+// where its gradient is. A row several ids touched has its gradient summed into the caller's buffer
+// (`source` = -1 - its offset there); a row one id touched keeps a reference to that id's output gradient
+// row and scale (`source` = the row's offset in the output gradient): its gradient is 0 + scale * that
+// row, made in the second half with the same bits. Three int64 a row, in a tensor the caller keeps.
+struct Touched {
+  int64_t row;
+  int64_t source;
+  float scale;
+  int32_t table;
+};
+static_assert(sizeof(Touched) == 3 * sizeof(int64_t), "a touched row is three int64 of its tensor");
+
+// sum |g|^p over one row (max |g| for p = inf), in float64: for p = 2 and a width that is a multiple of 8,
+// in AVX2 (two accumulators of 4 lanes), else row_partial.
+__attribute__((target("avx2,fma")))
+double row_squares_avx2(const float* g, int64_t dim) {
+  __m256d low = _mm256_setzero_pd(), high = _mm256_setzero_pd();
+  for (int64_t j = 0; j < dim; j += 8) {
+    add_squares(_mm256_loadu_ps(g + j), low, high);
+  }
+  return lanes_total(low, high);
+}
+
+double source_partial(const float* g, int64_t dim, double norm_type) {
+  if (norm_type == 2.0 && dim % 8 == 0 && has_avx2_fma()) return row_squares_avx2(g, dim);
+  return row_partial(g, dim, norm_type);
+}
+
+// |scale|^p times a source row's partial: the row's part of the norm when one id touched it. The same as
+// the partial of its made gradient (0 + scale * row, each element rounded to float32) for scale 1 and for
+// p = inf, within that rounding otherwise.
+double scaled_partial(double partial, float scale, double norm_type) {
+  if (scale == 1.0f) return partial;
+  const double s = std::fabs(static_cast<double>(scale));
+  if (std::isinf(norm_type))  // max |fl(scale * g)| = fl(|scale| * max |g|): rounding is monotone
+    return static_cast<double>(std::fabs(scale) * static_cast<float>(partial));
+  return norm_type == 2.0 ? s * s * partial : std::pow(s, norm_type) * partial;
+}
+
+// The first half under clipping by norm. Returns this lookup's partial of the norm (float64, one element:
+// sum |g|^p over its touched rows' gradients, or max |g| for norm_type = inf), and leaves in `touched`
+// ([rows, 3] int64) each touched row as a Touched, and in `summed` (float32) the gradients of the rows
+// several ids touched. Both are resized as needed: the caller keeps them from step to step, so that their
+// pages stay mapped. A row one id touched reads its output gradient row once, pooled from the partials of
+// the lookup's bags (made once per bag).
+at::Tensor fused_rows_coalesce(const at::Tensor& grad, const at::Tensor& indices, const at::Tensor& offsets,
+                               const std::optional<at::Tensor>& per_sample_weights, int64_t pooling,
+                               std::vector<int64_t> feature_table, std::vector<int64_t> feature_offset,
+                               std::vector<int64_t> rows, std::vector<int64_t> dims, double norm_type,
+                               const at::Tensor& summed, const at::Tensor& touched) {
   const char* op = "fused_rows_coalesce";
   TORCH_CHECK(rows.size() == dims.size() && !rows.empty(), op, ": one row count and one dimension per table");
   TORCH_CHECK(norm_type > 0, op, ": norm_type must be positive, got ", norm_type);
   TORCH_CHECK(summed.device().is_cpu() && summed.scalar_type() == at::kFloat && summed.dim() == 1, op,
               ": summed must be a 1-D float32 CPU tensor");
+  TORCH_CHECK(touched.device().is_cpu() && touched.scalar_type() == at::kLong, op,
+              ": touched must be an int64 CPU tensor");
   const Lookup l = group_ids(grad, indices, offsets, per_sample_weights, pooling, feature_table, feature_offset,
                              rows, dims, op);
-  const int64_t runs = static_cast<int64_t>(l.starts.size()) - 1, tables = static_cast<int64_t>(rows.size());
-  std::vector<int64_t> first(tables + 1, 0);  // each table's first run (runs are in table order)
-  for (int64_t u = 0; u < runs; ++u) ++first[l.table(u) + 1];
-  for (int64_t t = 0; t < tables; ++t) first[t + 1] += first[t];
-  std::vector<int64_t> start(tables + 1, 0);  // each table's first element in `summed`
-  for (int64_t t = 0; t < tables; ++t) start[t + 1] = start[t] + (first[t + 1] - first[t]) * dims[t];
-  if (summed.numel() < start[tables]) summed.resize_({start[tables]});
+  const int64_t runs = static_cast<int64_t>(l.starts.size()) - 1;
+  touched.resize_({runs, 3});
+  Touched* out = reinterpret_cast<Touched*>(touched.data_ptr<int64_t>());
+  int64_t need = 0;  // each run's source: its offset in `summed` (several ids), or 0 for now (one id)
+  for (int64_t u = 0; u < runs; ++u) {
+    const bool several = l.starts[u + 1] - l.starts[u] > 1;
+    out[u].source = several ? -1 - need : 0;
+    if (several) need += dims[l.table(u)];
+  }
+  summed.resize_({need});
   float* sums = summed.data_ptr<float>();
-  std::vector<at::Tensor> out;
-  at::Tensor partial = at::zeros({1}, at::TensorOptions().dtype(at::kDouble));
-  out.push_back(partial);
-  std::vector<int64_t*> ids(tables);
-  for (int64_t t = 0; t < tables; ++t) {
-    out.push_back(at::empty({first[t + 1] - first[t]}, at::TensorOptions().dtype(at::kLong)));
-    ids[t] = out.back().data_ptr<int64_t>();
+  // Pooled, each bag's partial once (a bag's row is the gradient of all its ids); unpooled, each id's
+  // row is its own, read where its run is.
+  std::vector<double> bag_partial;
+  if (l.pooled) {
+    const int64_t bags = static_cast<int64_t>(l.bag_source.size());
+    const int64_t batch = bags / static_cast<int64_t>(feature_table.size());
+    bag_partial.resize(bags);
+    at::parallel_for(0, bags, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b)
+        bag_partial[b] = source_partial(l.grad + l.bag_source[b], dims[feature_table[b / batch]], norm_type);
+    });
   }
   const bool inf = std::isinf(norm_type);
   const bool two_norm_avx2 = norm_type == 2.0 && has_avx2_fma();
@@ -437,15 +500,26 @@ std::vector<at::Tensor> fused_rows_coalesce(const at::Tensor& grad, const at::Te
     for (int64_t c = begin; c < end; ++c) {
       double total = 0.0;
       for (int64_t u = c * kChunk; u < std::min(runs, (c + 1) * kChunk); ++u) {
-        const int64_t t = l.table(u), local = u - first[t];
-        float* g = sums + start[t] + local * dims[t];
-        ids[t][local] = l.row(u);
+        const int64_t t = l.table(u), dim = dims[t];
+        Touched& r = out[u];
+        r.row = l.row(u);
+        r.table = static_cast<int32_t>(t);
         double part;
-        if (two_norm_avx2 && dims[t] % 8 == 0) {
-          part = sum_run_squares(g, l, u, dims[t]);
+        if (r.source < 0) {
+          float* g = sums + (-1 - r.source);
+          r.scale = 1.0f;
+          if (two_norm_avx2 && dim % 8 == 0) {
+            part = sum_run_squares(g, l, u, dim);
+          } else {
+            sum_run(g, l, u, dim);
+            part = row_partial(g, dim, norm_type);
+          }
         } else {
-          sum_run(g, l, u, dims[t]);
-          part = row_partial(g, dims[t], norm_type);
+          const overlap_optim::Entry& e = l.entries[l.starts[u]];
+          r.source = l.source(e) - l.grad;
+          r.scale = e.scale;
+          const double row = l.pooled ? bag_partial[e.origin] : source_partial(l.grad + r.source, dim, norm_type);
+          part = scaled_partial(row, l.scaled ? e.scale : 1.0f, norm_type);
         }
         total = inf ? std::max(total, part) : total + part;
       }
@@ -454,43 +528,59 @@ std::vector<at::Tensor> fused_rows_coalesce(const at::Tensor& grad, const at::Te
   });
   double total = 0.0;
   for (double part : partials) total = inf ? std::max(total, part) : total + part;
+  at::Tensor partial = at::empty({1}, at::TensorOptions().dtype(at::kDouble));
   *partial.data_ptr<double>() = total;
-  return out;
+  return partial;
 }
 
-// The second half: the summed rows times `coefficient`, stepped.
+// The second half: each touched row's gradient (`touched` and `summed` as fused_rows_coalesce left them,
+// `grad` the output gradient it read) times `coefficient`, stepped.
 void fused_rows_apply_(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& states,
-                       const std::vector<at::Tensor>& ids, const std::vector<at::Tensor>& summed, int64_t optimizer,
-                       double lr, double eps, double coefficient) {
+                       const at::Tensor& grad, const at::Tensor& touched, const at::Tensor& summed,
+                       int64_t optimizer, double lr, double eps, double coefficient) {
   const char* op = "fused_rows_apply_";
   const std::vector<Table> tables = tables_of(weights, states, optimizer, op);
-  TORCH_CHECK(ids.size() == tables.size() && summed.size() == tables.size(), op,
-              ": one id tensor and one gradient tensor per table");
+  TORCH_CHECK(touched.device().is_cpu() && touched.scalar_type() == at::kLong && touched.is_contiguous() &&
+                  touched.dim() == 2 && touched.size(1) == 3 && summed.scalar_type() == at::kFloat &&
+                  summed.is_contiguous() && grad.scalar_type() == at::kFloat, op,
+              ": touched, summed and the output gradient are not as fused_rows_coalesce left them");
+  const int64_t runs = touched.size(0), width = max_dim(table_dims(tables));
+  const Touched* in = reinterpret_cast<const Touched*>(touched.data_ptr<int64_t>());
+  const float* g_out = grad.data_ptr<float>();
+  const float* sums = summed.data_ptr<float>();
+  const int64_t grad_extent = grad.numel() == 0 ? 0 : (grad.size(0) - 1) * grad.stride(0) + grad.size(1);
+  for (int64_t u = 0; u < runs; ++u) {
+    const Touched& r = in[u];
+    TORCH_CHECK(r.table >= 0 && r.table < static_cast<int64_t>(tables.size()) && r.row >= 0 &&
+                    r.row < tables[r.table].rows, op, ": touched row ", u, " names no row of the kernel's tables");
+    const int64_t dim = tables[r.table].dim;
+    TORCH_CHECK(r.source >= 0 ? r.source + dim <= grad_extent : -1 - r.source + dim <= summed.numel(), op,
+                ": touched row ", u, "'s gradient lies outside the output gradient and the summed rows");
+  }
   const float minus_lr = static_cast<float>(-lr), epsilon = static_cast<float>(eps);
   const float coef = static_cast<float>(coefficient);
-  for (size_t k = 0; k < tables.size(); ++k) {
-    const Table& t = tables[k];
-    const int64_t count = ids[k].numel();
-    TORCH_CHECK(ids[k].scalar_type() == at::kLong && ids[k].is_contiguous() && summed[k].scalar_type() == at::kFloat &&
-                    summed[k].is_contiguous() && summed[k].numel() == count * t.dim, op,
-                ": table ", k, "'s ids and summed gradients are not as fused_rows_coalesce made them");
-    const int64_t* id = ids[k].data_ptr<int64_t>();
-    float* g = summed[k].data_ptr<float>();
-    for (int64_t u = 0; u < count; ++u) {
-      TORCH_CHECK(id[u] >= 0 && id[u] < t.rows, op, ": id ", id[u], " out of range for table ", k);
-    }
-    at::parallel_for(0, count, kChunk, [&](int64_t begin, int64_t end) {
-      for (int64_t first = begin; first < end; first += kBlock) {  // as in fused_rows_step_
-        const int64_t last = std::min(end, first + kBlock);
-        for (int64_t u = first; u < last; ++u) {
-          if (u + kBlock < end) prefetch_row(t, id[u + kBlock], optimizer);
-          float* row = g + u * t.dim;
-          for (int64_t j = 0; j < t.dim; ++j) row[j] = row[j] * coef;
+  at::parallel_for(0, runs, kChunk, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(kBlock * width);  // as in fused_rows_step_: a block made, then stepped
+    for (int64_t first = begin; first < end; first += kBlock) {
+      const int64_t last = std::min(end, first + kBlock);
+      for (int64_t u = first; u < last; ++u) {
+        if (u + kBlock < end) prefetch_row(tables[in[u + kBlock].table], in[u + kBlock].row, optimizer);
+        const Touched& r = in[u];
+        const int64_t dim = tables[r.table].dim;
+        float* g = buffer.data() + (u - first) * width;
+        if (r.source < 0) {
+          const float* from = sums + (-1 - r.source);
+          for (int64_t j = 0; j < dim; ++j) g[j] = from[j] * coef;
+        } else {  // 0 + scale * row, as sum_run makes a run of one id
+          const float* from = g_out + r.source;
+          const float scale = r.scale;
+          for (int64_t j = 0; j < dim; ++j) g[j] = (0.0f + scale * from[j]) * coef;
         }
-        for (int64_t u = first; u < last; ++u) step_row(t, id[u], g + u * t.dim, optimizer, minus_lr, epsilon);
       }
-    });
-  }
+      for (int64_t u = first; u < last; ++u)
+        step_row(tables[in[u].table], in[u].row, buffer.data() + (u - first) * width, optimizer, minus_lr, epsilon);
+    }
+  });
 }
 
 }  // namespace
@@ -502,10 +592,10 @@ TORCH_LIBRARY_FRAGMENT(overlap_optim, m) {
       "float lr, float eps) -> ()");
   m.def(
       "fused_rows_coalesce(Tensor grad, Tensor indices, Tensor offsets, Tensor? per_sample_weights, int pooling, "
-      "int[] feature_table, int[] feature_offset, int[] rows, int[] dims, float norm_type, Tensor(a!) summed) "
-      "-> Tensor[]");
+      "int[] feature_table, int[] feature_offset, int[] rows, int[] dims, float norm_type, Tensor(a!) summed, "
+      "Tensor(b!) touched) -> Tensor");
   m.def(
-      "fused_rows_apply_(Tensor(a!)[] weights, Tensor(b!)[] states, Tensor[] ids, Tensor(c!)[] summed, "
+      "fused_rows_apply_(Tensor(a!)[] weights, Tensor(b!)[] states, Tensor grad, Tensor touched, Tensor summed, "
       "int optimizer, float lr, float eps, float coefficient) -> ()");
 }
 
