@@ -41,14 +41,19 @@ first armed in a backward, and arming it again is nothing. A round with no slot,
 with empty slots only, runs no collective (its participants still finish); neither
 does a ``local`` one (its sums are this process's own).
 
-If a finish raises, the rest of the rounds of that backward are dropped on
-this rank, and the deferred functions still run; an error that depends only
-on reduced values (a non-finite global norm) is raised on every rank alike.
+If a finish (or a ``before`` work) raises, the rest still run: the other
+participants' finishes, the later phases' rounds and the deferred functions. So
+every rank runs the same collectives, and one participant's refusal (a clipping
+set whose global norm is not finite) neither drops the update of another set
+nor leaves a layer-wise table's step half done. The first error is raised when
+the rounds are done, the others noted on it; an error that depends only on
+reduced values is raised on every rank alike.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 
 import torch
@@ -166,14 +171,17 @@ class EndOfBackwardRound:
 
     @torch.no_grad()
     def run(self) -> None:
-        """Run this round alone: its ``before`` work, its one all-reduce, each participant's finish."""
-        _run_together([self])
+        """Run this round alone: its ``before`` work, its one all-reduce, each participant's finish
+        (all of them; then the first error raised, see the module doc)."""
+        errors: list[Exception] = []
+        _run_together([self], errors)
+        _raise_first(errors)
 
-    def _gather(self) -> torch.Tensor:
+    def _gather(self, errors: list[Exception]) -> torch.Tensor:
         """Run the ``before`` work, then sum (or max) this process's contributions into a fresh buffer."""
         before, self._before = self._before, []
         for work in before:
-            work()
+            _attempt(work, errors)
         buffer = torch.zeros(self.size, dtype=torch.float64)
         combine = _OPS[self.op][0]
         for key, partials, _ in self._contributed:
@@ -187,15 +195,16 @@ class EndOfBackwardRound:
         return bool(self.size) and not self.local and dist.is_initialized() and dist.get_world_size(
             self.process_group) > 1
 
-    def _finish(self, buffer: torch.Tensor) -> None:
-        """Each participant's finish, with the reduced ``buffer``, in the order it contributed."""
+    def _finish(self, buffer: torch.Tensor, errors: list[Exception]) -> None:
+        """Each participant's finish, with the reduced ``buffer``, in the order it contributed; one
+        that raises adds its error to ``errors`` and the next still runs."""
         contributed, self._contributed = self._contributed, []
         if self.size:  # empty slots only (LARS on vectors): nothing to reduce, each still finishes
             self.rounds += 1
         for key, _, finish in contributed:
             if finish is not None:
                 offset, size = self.slots[key]
-                finish(buffer[offset : offset + size])
+                _attempt(functools.partial(finish, buffer[offset : offset + size]), errors)
 
     def discard(self) -> None:
         """Forget this backward's contributions and work (after an error; nothing after a run)."""
@@ -212,11 +221,30 @@ _OPS = {
 }
 
 
-def _run_together(rounds: list[EndOfBackwardRound]) -> None:
+def _attempt(work: Callable[[], None], errors: list[Exception]) -> None:
+    """``work()``; an error it raises is added to ``errors`` instead (the caller raises the first)."""
+    try:
+        work()
+    except Exception as error:  # noqa: BLE001 - kept and raised once the round's work is done
+        errors.append(error)
+
+
+def _raise_first(errors: list[Exception]) -> None:
+    """Raise the first of ``errors``, the others noted on it; nothing if there are none."""
+    if not errors:
+        return
+    first = errors[0]
+    for later in errors[1:]:
+        first.add_note(f"also raised when this backward ended: {type(later).__name__}: {later}")
+    raise first
+
+
+def _run_together(rounds: list[EndOfBackwardRound], errors: list[Exception]) -> None:
     """Run ``rounds`` (of one phase): each one's ``before`` work, one all-reduce for those that
     reduce over the same process group with the same op (their buffers laid end to end, in the
-    order of ``rounds``), then each participant's finish, round by round."""
-    buffers = [round_._gather() for round_ in rounds]
+    order of ``rounds``), then each participant's finish, round by round. Errors of the work and
+    the finishes are added to ``errors``; everything still runs."""
+    buffers = [round_._gather(errors) for round_ in rounds]
     shared: dict[tuple[object, str], list[int]] = {}  # (group, op) -> indices into rounds
     for i, round_ in enumerate(rounds):
         if round_._reduces():
@@ -230,7 +258,7 @@ def _run_together(rounds: list[EndOfBackwardRound]) -> None:
                 for i, part in zip(members, flat.split([rounds[i].size for i in members])):
                     buffers[i] = part
         for round_, buffer in zip(rounds, buffers):
-            round_._finish(buffer)
+            round_._finish(buffer, errors)
 
 
 class _Schedule:
@@ -261,15 +289,17 @@ class _Schedule:
 
     def run(self) -> None:
         ran: list[EndOfBackwardRound] = []
+        errors: list[Exception] = []
         try:
             while self.armed:  # a finish may arm a later phase's round
                 phase = min(r.phase for r in self.armed)
                 now = [r for r in self.armed if r.phase == phase]  # first armed first
                 self.armed = [r for r in self.armed if r.phase != phase]
                 ran += now
-                _run_together(now)
+                _run_together(now, errors)
         finally:
-            for dropped in ran:  # nothing left after a finish that ran; a raise leaves the rest unfinished
+            # Nothing is left after a round that ran; a collective that raised leaves the rest unfinished.
+            for dropped in ran:
                 dropped.discard()
             for dropped in self.armed:
                 dropped.discard()
@@ -277,7 +307,8 @@ class _Schedule:
             self.armed, self.queued = [], None
             for round_ in ran:
                 for finish in round_.take_deferred():
-                    finish()
+                    _attempt(finish, errors)
+        _raise_first(errors)
 
 
 _SCHEDULE = _Schedule()

@@ -54,7 +54,7 @@ def _bound(reference, parts, over, how, norm_type):
     return BINDING * torch.nn.utils.get_total_norm(grads, norm_type).item()
 
 
-def _build(rank, world_size, over, how, norm_type, first_parts, lazy_adam=False):
+def _build(rank, world_size, over, how, norm_type, first_parts, lazy_adam=False, error_if_nonfinite=False):
     model = ManyTableModel(NAMES, seed=3)
     reference = copy.deepcopy(model)
     for name in NAMES:
@@ -67,7 +67,8 @@ def _build(rank, world_size, over, how, norm_type, first_parts, lazy_adam=False)
     if how == "value":
         clip = overlap_optim.apply_gradient_clipping(_members(model, over), clip_value=bound)
     elif how == "norm":
-        clip = overlap_optim.apply_gradient_clipping(_members(model, over), max_norm=bound, norm_type=norm_type)
+        clip = overlap_optim.apply_gradient_clipping(_members(model, over), max_norm=bound, norm_type=norm_type,
+                                                     error_if_nonfinite=error_if_nonfinite)
     ref_opts = []
     for name in NAMES:
         cls, kwargs = SETTINGS[name]
@@ -176,6 +177,52 @@ def _largest_difference(dmp, reference):
     worst = torch.tensor(worst)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return worst.item()
+
+
+def non_finite_dense_set(rank, world_size, steps=3, bad_step=1):
+    """Clipping over the MLP with ``error_if_nonfinite``; at ``bad_step`` its first layer's gradient
+    is inf (on every rank, and in the reference). That step raises on every rank, and the user skips
+    it; no update of the set runs, and every table (all outside the set) steps as torch.optim's: the
+    cross-shard one too, whose second half runs in a round after the failing one. Weights compared
+    after every step."""
+    parts_of = [
+        [covering_batch(NAMES, torch.Generator().manual_seed(100 + s), cover=True) for _ in range(world_size)]
+        for s in range(steps)
+    ]
+    dmp, reference, ref_opts, clip, bound = _build(rank, world_size, "dense", "norm", 2.0, parts_of[0],
+                                                   error_if_nonfinite=True)
+    ours_user = torch.optim.SGD([p for n, p in dmp.named_parameters() if n.startswith("dense.2.")], lr=0.1)
+    ref_user = torch.optim.SGD(reference.dense[2].parameters(), lr=0.1)
+    table_opts, dense_opts = ref_opts[:-1], ref_opts[-1:] + [ref_user]
+    ours_first = next(p for n, p in dmp.named_parameters() if n == "dense.0.weight")
+    start = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    raised = []
+    for step, parts in enumerate(parts_of):
+        handles = []
+        if step == bad_step:
+            infinite = lambda grad: grad * float("inf")  # noqa: E731
+            handles = [ours_first.register_hook(infinite), reference.dense[0].weight.register_hook(infinite)]
+        try:
+            loss_of(dmp, parts[rank]).backward()
+            ours_user.step()
+        except RuntimeError as err:
+            raised.append((step, str(err)))
+        ours_user.zero_grad()
+        loss_of(reference, concat_batches(parts)).backward()
+        try:
+            torch.nn.utils.clip_grad_norm_(_members(reference, "dense"), bound, error_if_nonfinite=True)
+            stepped = table_opts + dense_opts
+        except RuntimeError:
+            stepped = table_opts  # the user skips the set's step
+        for opt in stepped:
+            opt.step()
+        reference.zero_grad()
+        for handle in handles:
+            handle.remove()
+        compare(dmp, reference, NAMES, step, atol=2e-5)
+    moved = {n: (p.detach() - start[n]).abs().max().item() for n, p in reference.named_parameters()}
+    return {"raised": raised, "moved": moved, "kinds": {n: t.kind.value for n, t in
+                                                        sharders.plan_of(dmp.module.ebc).tables.items()}}
 
 
 def declared_after_sharding(rank, world_size):

@@ -162,6 +162,34 @@ def test_a_non_finite_norm_is_an_error_with_error_if_nonfinite():
     assert math.isinf(clip.total_norm.item())
 
 
+@pytest.mark.parametrize("failing_first", [True, False])
+def test_a_set_whose_norm_is_not_finite_does_not_stop_another_sets_updates(failing_first):
+    """Two sets: one's norm is inf (error_if_nonfinite), the other's finite. Whichever finishes first,
+    the error is raised, the failing set does not step, and the other steps as clip_grad_norm_ and
+    torch.optim do."""
+    torch.manual_seed(0)
+    bad, good = nn.Linear(4, 1), nn.Linear(4, 1)
+    reference = copy.deepcopy(good)
+    for layer in (bad, good):
+        apply_optimizer_in_backward(torch.optim.SGD, layer.parameters(), {"lr": 0.1})
+    apply_gradient_clipping(bad.parameters(), max_norm=1.0, error_if_nonfinite=True)
+    clip = apply_gradient_clipping(good.parameters(), max_norm=0.1)
+    before, start = bad.weight.detach().clone(), good.weight.detach().clone()
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    # backward reaches the layer that ran last first, and its set's round is armed first
+    layers = (good, bad) if failing_first else (bad, good)
+    loss = sum(layer(torch.full((3, 4), math.inf) if layer is bad else x).sum() for layer in layers)
+    with pytest.raises(RuntimeError, match="is inf, so they cannot be clipped"):
+        loss.backward()
+    reference(x).sum().backward()
+    norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    assert torch.equal(bad.weight.detach(), before), "no update of the failing set may run"
+    assert norm.item() > 0.1 and clip.total_norm.item() == pytest.approx(norm.item(), rel=1e-6)
+    torch.testing.assert_close(good.weight.detach(), reference.weight.detach(), atol=1e-7, rtol=0)
+    assert (reference.weight.detach() - start).abs().max().item() > 1e-3, "the reference must move"
+
+
 def test_a_meta_model_keeps_its_clipping_through_materialize():
     with torch.device("meta"):
         model = nn.Linear(4, 2)
