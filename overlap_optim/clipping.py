@@ -107,7 +107,8 @@ class GradientClipping:
         self.round = EndOfBackwardRound(None, Phase.CLIP, op, start=self._start)
         if max_norm is not None:  # by value, the round only clips the unannotated members: no slot, no collective
             self.round.register("norm", 1)
-        self._held: list[tuple[list[torch.Tensor], Callable[[], None]]] = []
+        # each held update: its gradients, the update, and what frees them if the step is refused
+        self._held: list[tuple[list[torch.Tensor], Callable[[], None], Callable[[], None] | None]] = []
         self.coefficient = torch.ones(())
 
     # -- settings --
@@ -155,13 +156,15 @@ class GradientClipping:
             self.round.contribute("norm", torch.zeros(1, dtype=torch.float64), self._finish)
         self.round.before(self._gather_unannotated)
 
-    def clip(self, grads: list[torch.Tensor], then: Callable[[], None], *, replicated: bool = False) -> None:
+    def clip(self, grads: list[torch.Tensor], then: Callable[[], None], *, replicated: bool = False,
+             release: Callable[[], None] | None = None) -> None:
         """Clip ``grads`` (final gradients, changed in place), then run ``then()``, the update
         that reads them: now when clipping by value; at the end of backward, once the global
         norm is known, when clipping by norm (call :meth:`arm` first in this backward).
 
         ``replicated``: every rank holds these very gradients (DDP-averaged), so only rank 0
-        adds them to the norm. Safe from DDP's communication thread.
+        adds them to the norm. ``release``: run instead of ``then()`` when the norm is not finite
+        and ``error_if_nonfinite`` refuses the step. Safe from DDP's communication thread.
         """
         grads = [g for g in grads if g is not None]
         if not self.by_norm:
@@ -173,17 +176,18 @@ class GradientClipping:
             return
         counted = grads if self._counts_on_this_rank(replicated) else []
         self.round.contribute("norm", self._partial(counted))
-        self._held.append((grads, then))
+        self._held.append((grads, then, release))
 
-    def hold(self, partial: torch.Tensor, then: Callable[[], None]) -> None:
+    def hold(self, partial: torch.Tensor, then: Callable[[], None], release: Callable[[], None] | None = None) -> None:
         """For a participant that holds no gradient tensor to scale (a fused table, whose
         gradient FBGEMM forms inside its update): add its own ``partial`` (``sum |g|^p``, or
         ``max |g|`` for inf, of this rank's gradient, one float64 element) to the norm, and
         run ``then()`` at the end of backward, which reads :attr:`coefficient`, the 0-d
-        float32 factor every gradient of the set is multiplied by. Clipping by norm only."""
+        float32 factor every gradient of the set is multiplied by (``release()`` instead, if the
+        step is refused). Clipping by norm only."""
         assert self.by_norm, "hold() serves clipping by norm"
         self.round.contribute("norm", partial.reshape(1).to(torch.float64))
-        self._held.append(([], then))
+        self._held.append(([], then, release))
 
     def _counts_on_this_rank(self, replicated: bool) -> bool:
         """Whether this rank adds such gradients to the norm: a gradient every rank holds alike
@@ -237,13 +241,17 @@ class GradientClipping:
         total_norm = total.to(torch.float32)
         self.total_norm = total_norm
         if self.error_if_nonfinite and not torch.isfinite(total_norm):
+            for _, _, release in held:  # the next step starts clean: nothing of this one is kept
+                if release is not None:
+                    release()
             raise RuntimeError(
                 f"gradient clipping: the global {self.norm_type}-norm of the set's gradients is {total_norm.item()}, "
-                "so they cannot be clipped (error_if_nonfinite=True); no update of the set ran this step"
+                "so they cannot be clipped (error_if_nonfinite=True); no update of the set ran this step, and its "
+                "gradients are released: to skip the batch, go on to the next (calling step() as after any backward)"
             )
         coefficient = torch.clamp(self._max_norm / (total_norm + 1e-6), max=1.0)
         self.coefficient = coefficient
-        for grads, then in held:
+        for grads, then, _ in held:
             if grads:
                 _private.foreach.mul_(grads, coefficient.to(grads[0].dtype))
             then()
@@ -346,7 +354,8 @@ def apply_gradient_clipping(
         max_norm: clip to this global norm (``float("inf")``: only measure it).
         norm_type: p of the p-norm (> 0), or ``float("inf")``.
         clip_value: instead of ``max_norm``: clamp each element to ``[-clip_value, clip_value]``.
-        error_if_nonfinite: raise if the global norm is inf or nan (then no update of the set runs).
+        error_if_nonfinite: raise if the global norm is inf or nan (then no update of the set runs, and its
+            gradients are released: a loop that skips the batch goes on with the next).
 
     Returns:
         The set: read ``total_norm`` after each backward; ``max_norm`` or ``clip_value`` may

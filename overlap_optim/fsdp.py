@@ -44,7 +44,7 @@ from overlap_optim.annotation import (
 from overlap_optim.clipping import clipping_of
 from overlap_optim.cross_shard import CrossShardOptimizer, Geometry, cross_shard_class, sharded_state_layouts
 from overlap_optim.record import group_of, record
-from overlap_optim.gradient_path import take
+from overlap_optim.gradient_path import releasing_grad, take
 from overlap_optim.round import EndOfBackwardRound, Phase
 from overlap_optim.update import drop_placeholder_state, live_optimizer, set_state_maker, step_params
 from overlap_optim.virtual_groups import LocalState
@@ -137,7 +137,7 @@ class CrossShardStep:
     def __call__(self, param: torch.Tensor) -> None:
         grad = param.grad.to_local()
         take(functools.partial(self._first_half, param, grad), [grad], clip=clipping_of(param),
-             held=accumulating(param))
+             held=accumulating(param), release=releasing_grad(param))
 
     def _first_half(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         drop_placeholder_state(param)  # an init_state placeholder that nothing was loaded over
@@ -179,7 +179,8 @@ class GroupStep:
     def __call__(self, param: torch.Tensor) -> None:
         clip = clipping_of(param)
         step = functools.partial(self._join if clip is None else _step_alone, param)
-        take(step, [param.grad.to_local()] if clip is not None else (), clip=clip, held=accumulating(param))
+        take(step, [param.grad.to_local()] if clip is not None else (), clip=clip, held=accumulating(param),
+             release=releasing_grad(param))
 
     def _join(self, param: torch.Tensor) -> None:
         self.round.arm()

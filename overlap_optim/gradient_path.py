@@ -10,7 +10,11 @@ reads it, and the path is the same for all of them:
 2. **Clip.** In a clipping set (:mod:`overlap_optim.clipping`), by value: the
    gradient is clamped now. By norm: it joins the set's norm and waits for the
    CLIP phase of the end-of-backward round (:mod:`overlap_optim.round`).
-3. **Step.** The update runs, now or once clipped.
+3. **Step.** The update runs, now or once clipped. If the set refuses the step (a
+   non-finite norm with ``error_if_nonfinite``), ``release`` runs instead: the
+   participant frees what the update would have freed (its ``.grad``, what it held
+   for the update), so that the next step starts clean, as a torch loop that skips
+   the step and zeroes the gradients does.
 
 A participant answers one question itself, whether its model's window is open
 (it knows which tensors or module to ask); the rest is here. A step added to
@@ -28,7 +32,7 @@ import torch
 
 from overlap_optim.clipping import GradientClipping
 
-__all__ = ["take"]
+__all__ = ["take", "releasing_grad"]
 
 
 def take(
@@ -40,6 +44,7 @@ def take(
     keep: Callable[[], None] | None = None,
     replicated: bool = False,
     norm: Callable[[], torch.Tensor] | None = None,
+    release: Callable[[], None] | None = None,
 ) -> None:
     """Run ``step()``, the update that reads ``grads``, after the window and the clipping.
 
@@ -55,6 +60,8 @@ def take(
         norm: for a participant that holds no gradient tensor to scale (FBGEMM forms it inside
             its update): its own partial norm, made only if needed (see
             :meth:`~overlap_optim.clipping.GradientClipping.hold`).
+        release: what runs instead of ``step`` when the clipping set refuses the step: free what
+            ``step`` would have freed, update nothing (None: nothing to free).
     """
     if held:
         if keep is not None:
@@ -65,6 +72,16 @@ def take(
         return
     clip.arm()  # from backward's thread, first in this backward; anywhere else, armed already
     if norm is not None:
-        clip.hold(norm(), step)
+        clip.hold(norm(), step, release=release)
     else:
-        clip.clip(list(grads), step, replicated=replicated)
+        clip.clip(list(grads), step, replicated=replicated, release=release)
+
+
+def releasing_grad(param: torch.Tensor) -> Callable[[], None]:
+    """The ``release`` of a participant whose gradient lives on ``param.grad``: it sets it to None,
+    as the update does once it has read it."""
+
+    def release() -> None:
+        param.grad = None
+
+    return release

@@ -122,11 +122,14 @@ class HeldBackward:
             norm = None if self.clip is None else functools.partial(
                 self.compiled.partial_norm, lookup, grad, self.clip.norm_type)
             step = functools.partial(self._update_compiled, lookup, grad)
+            release = self.compiled.discard
         else:
             norm = None if self.clip is None else functools.partial(
                 row_partial_norm, self.emb, grad, *lookup, self.clip.norm_type)
             step = functools.partial(self._update, output, replay, grad)
-        take(step, clip=self.clip, held=held, keep=functools.partial(self.pending.append, (lookup, grad)), norm=norm)
+            release = None  # FBGEMM's backward holds nothing of ours
+        take(step, clip=self.clip, held=held, keep=functools.partial(self.pending.append, (lookup, grad)), norm=norm,
+             release=release)
 
     def _update_compiled(self, lookup: Lookup, grad: torch.Tensor) -> None:
         self.compiled.step(lookup, grad, None if self.clip is None else self.clip.coefficient)

@@ -112,6 +112,11 @@ class CompiledBackward:
         self._held = inputs[0]
         return partial
 
+    def discard(self) -> None:
+        """Forget what :meth:`partial_norm` kept: its clipping set refused the step (a non-finite
+        norm), and nothing steps."""
+        self._held = None
+
     def step(self, lookup: Lookup, grad: torch.Tensor, coefficient: torch.Tensor | None) -> None:
         """Update the rows ``lookup`` touched, in place. With ``coefficient`` (clipping by norm),
         the gradients :meth:`partial_norm` made are scaled by it and stepped; without, the whole

@@ -179,21 +179,23 @@ def _largest_difference(dmp, reference):
     return worst.item()
 
 
-def non_finite_dense_set(rank, world_size, steps=3, bad_step=1):
-    """Clipping over the MLP with ``error_if_nonfinite``; at ``bad_step`` its first layer's gradient
-    is inf (on every rank, and in the reference). That step raises on every rank, and the user skips
-    it; no update of the set runs, and every table (all outside the set) steps as torch.optim's: the
-    cross-shard one too, whose second half runs in a round after the failing one. Weights compared
-    after every step."""
+def non_finite_step(rank, world_size, over, steps=3, bad_step=1):
+    """Clipping ``over`` "dense" (the MLP) or "everything" with ``error_if_nonfinite``; at ``bad_step``
+    the MLP's first layer's gradient is inf (on every rank, and in the reference). That step raises on
+    every rank, and the user skips it, as a torch loop skips the step and zeroes the gradients; no
+    update of the set runs, and whatever is outside it steps as torch.optim's (over "dense": every
+    table, the cross-shard one's second half included, which runs in a round after the failing one).
+    The next steps start clean: nothing the refused step held is stepped or added later. Weights
+    compared after every step."""
     parts_of = [
         [covering_batch(NAMES, torch.Generator().manual_seed(100 + s), cover=True) for _ in range(world_size)]
         for s in range(steps)
     ]
-    dmp, reference, ref_opts, clip, bound = _build(rank, world_size, "dense", "norm", 2.0, parts_of[0],
+    dmp, reference, ref_opts, clip, bound = _build(rank, world_size, over, "norm", 2.0, parts_of[0],
                                                    error_if_nonfinite=True)
     ours_user = torch.optim.SGD([p for n, p in dmp.named_parameters() if n.startswith("dense.2.")], lr=0.1)
     ref_user = torch.optim.SGD(reference.dense[2].parameters(), lr=0.1)
-    table_opts, dense_opts = ref_opts[:-1], ref_opts[-1:] + [ref_user]
+    outside, inside = (ref_opts[:-1], ref_opts[-1:] + [ref_user]) if over == "dense" else ([], ref_opts + [ref_user])
     ours_first = next(p for n, p in dmp.named_parameters() if n == "dense.0.weight")
     start = {n: p.detach().clone() for n, p in reference.named_parameters()}
     raised = []
@@ -210,10 +212,10 @@ def non_finite_dense_set(rank, world_size, steps=3, bad_step=1):
         ours_user.zero_grad()
         loss_of(reference, concat_batches(parts)).backward()
         try:
-            torch.nn.utils.clip_grad_norm_(_members(reference, "dense"), bound, error_if_nonfinite=True)
-            stepped = table_opts + dense_opts
+            torch.nn.utils.clip_grad_norm_(_members(reference, over), bound, error_if_nonfinite=True)
+            stepped = outside + inside
         except RuntimeError:
-            stepped = table_opts  # the user skips the set's step
+            stepped = outside  # the user skips the set's step
         for opt in stepped:
             opt.step()
         reference.zero_grad()

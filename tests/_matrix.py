@@ -132,6 +132,10 @@ class Config:
     dense_part: str = "hook"
     dense_state_bf16: bool = False  # the annotated MLP ("hook", "fsdp") with state_dtype=torch.bfloat16
     clip: tuple[str, str] | None = None  # ("norm" | "value", "tables" | "everything")
+    # with clip ("norm", "everything"): error_if_nonfinite, and step 1's targets are inf on every rank. That
+    # step's norm is not finite: it raises on every rank, and the loop skips it as a torch loop skips the
+    # step and zeroes the gradients; no update of the set runs, and the next steps start clean
+    non_finite: bool = False
     micro: int = 1  # micro-batches per step (the first ones in no_step)
     schedule: bool = False  # a LambdaLR through get_optimizers, the same on each reference optimizer
     # mid-run: "in_place", "rollback" (torch.save, a step more, then loaded back in place),
@@ -414,7 +418,11 @@ class ReferenceTrainer:
         if self.config.clip is not None:
             members = self.clip_set()
             if self.config.clip[0] == "norm":
-                torch.nn.utils.clip_grad_norm_(members, bound)
+                try:
+                    torch.nn.utils.clip_grad_norm_(members, bound, error_if_nonfinite=self.config.non_finite)
+                except RuntimeError:  # a non-finite norm: the loop skips the step
+                    self.model.zero_grad(set_to_none=True)
+                    return used
             else:
                 torch.nn.utils.clip_grad_value_(members, bound)
         for key in self.lazy:  # the touched rows, coalesced: what a lazy table steps on
@@ -518,7 +526,8 @@ class Ours:
         if config.clip is not None:
             members = [tables[t.key].weight for t in config.tables if t.optimizer != "frozen"]
             members += list(model.dense.parameters()) if config.clip[1] == "everything" else []
-            how = {"max_norm": bound} if config.clip[0] == "norm" else {"clip_value": bound}
+            how = ({"max_norm": bound, "error_if_nonfinite": config.non_finite} if config.clip[0] == "norm"
+                   else {"clip_value": bound})
             self.clip = overlap_optim.apply_gradient_clipping(members, **how)
         if config.meta == "materialize":
             overlap_optim.materialize(model, "cpu")
@@ -600,14 +609,24 @@ class Ours:
     def step(self, micro_batches: list[dict[str, Any]]) -> None:
         import overlap_optim
 
-        for index, batch in enumerate(micro_batches):
-            def backward() -> None:
-                _loss(self.dmp(kjts(self.config, batch)), batch["target"]).backward()
-            if index < len(micro_batches) - 1:
-                with overlap_optim.no_step(self.dmp):
+        try:
+            for index, batch in enumerate(micro_batches):
+                def backward() -> None:
+                    _loss(self.dmp(kjts(self.config, batch)), batch["target"]).backward()
+                if index < len(micro_batches) - 1:
+                    with overlap_optim.no_step(self.dmp):
+                        backward()
+                else:
                     backward()
-            else:
-                backward()
+        except RuntimeError as err:
+            if not (self.config.non_finite and "so they cannot be clipped" in str(err)):
+                raise
+            # the loop skips the batch: step() as after every backward (it updates nothing), and neither the
+            # user's optimizer nor a scheduler steps, as the reference's loop skips them
+            self.keyed.step()
+            if self.user is not None:
+                self.user.zero_grad()
+            return
         self.keyed.step()
         if self.user is not None:
             self.user.step()
@@ -757,7 +776,12 @@ def train(rank: int, world_size: int, config: Config, directory: str, resume: bo
 
     def micro_batches(step: int) -> list[list[dict[str, Any]]]:
         generator = torch.Generator().manual_seed(1000 * config.seed + 10 * step)
-        return [[make_batch(config, generator) for _ in range(config.world_size)] for _ in range(config.micro)]
+        out = [[make_batch(config, generator) for _ in range(config.world_size)] for _ in range(config.micro)]
+        if config.non_finite and step == 1:
+            for parts in out:
+                for batch in parts:
+                    batch["target"] = torch.full_like(batch["target"], math.inf)
+        return out
 
     bound = None
     if config.clip is not None:

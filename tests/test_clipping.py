@@ -190,6 +190,45 @@ def test_a_set_whose_norm_is_not_finite_does_not_stop_another_sets_updates(faili
     assert (reference.weight.detach() - start).abs().max().item() > 1e-3, "the reference must move"
 
 
+@pytest.mark.parametrize("micro", [1, 2])
+def test_after_a_non_finite_step_the_next_starts_clean(micro):
+    """Step 1's norm is inf (in its first micro-batch, with ``micro`` = 2: inside no_step); the loop
+    catches the error and skips the batch, as a torch loop skips the step and zeroes the gradients.
+    Weights equal the reference's after every step, and step 2 trains on its own gradient only."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    reference = copy.deepcopy(model)
+    apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 0.01})
+    apply_gradient_clipping(model.parameters(), max_norm=0.5, error_if_nonfinite=True)
+    keyed = overlap_optim.get_optimizers(model)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(1)
+    steps = [[torch.randn(3, 4, generator=generator) for _ in range(micro)] for _ in range(3)]
+    steps[1][0][0, 0] = math.inf
+    start = reference[0].weight.detach().clone()
+    for step, xs in enumerate(steps):
+        try:
+            for x in xs[:-1]:
+                with overlap_optim.no_step(model):
+                    (model(x).sum() / micro).backward()
+            (model(xs[-1]).sum() / micro).backward()
+        except RuntimeError as err:
+            assert step == 1 and "so they cannot be clipped" in str(err), (step, err)
+        keyed.step()  # as after every backward: it updates nothing
+        for x in xs:
+            (reference(x).sum() / micro).backward()
+        try:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5, error_if_nonfinite=True)
+            ref_opt.step()
+        except RuntimeError:
+            assert step == 1
+        ref_opt.zero_grad()
+        for ours, theirs in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(ours.detach(), theirs.detach(), atol=1e-7, rtol=0, msg=f"step {step}")
+            assert ours.grad is None, f"step {step}: a gradient kept"
+    assert (reference[0].weight.detach() - start).abs().max().item() > 1e-3, "the reference must move"
+
+
 def test_a_meta_model_keeps_its_clipping_through_materialize():
     with torch.device("meta"):
         model = nn.Linear(4, 2)

@@ -18,7 +18,7 @@ from functools import partial
 
 import pytest
 
-from _clipping_bodies import clipped_training, declared_after_sharding, non_finite_dense_set
+from _clipping_bodies import clipped_training, declared_after_sharding, non_finite_step
 from overlap_optim.testing import run_cases, selected_cases
 
 HOWS = {"norm2": {"how": "norm"}, "norm_inf": {"how": "norm", "norm_type": float("inf")}, "value": {"how": "value"}}
@@ -30,7 +30,7 @@ CASES = {
     "mutant_replicated_twice": partial(clipped_training, over="everything", how="norm", mutate="replicated_twice"),
     "mutant_drop_shard_partial": partial(clipped_training, over="tables", how="norm", mutate="drop_shard_partial"),
     "declared_after_sharding": declared_after_sharding,
-    "non_finite_dense_set": non_finite_dense_set,
+    **{f"non_finite-{o}": partial(non_finite_step, over=o) for o in ("dense", "everything")},
 }
 EXACT = [c for c in CASES if c.startswith(("norm", "value", "partial"))]
 
@@ -74,13 +74,14 @@ def test_clipping_declared_on_a_dmps_parameters_is_a_clear_error(ranks):
         assert "is already run by" in message and "declare gradient clipping on the unsharded model" in message, message
 
 
-def test_a_set_whose_norm_is_not_finite_skips_its_own_updates_only(ranks):
+@pytest.mark.parametrize("case", ["non_finite-dense", "non_finite-everything"])
+def test_a_set_whose_norm_is_not_finite_skips_its_own_updates_only(ranks, case):
     """The error is raised on every rank at the step whose norm is inf, and the body compared every
-    weight with torch.optim after every step: the tables outside the set stepped (the cross-shard
-    one's second half included), the set's parameters did not."""
-    for result in ranks["non_finite_dense_set"]:
+    weight with torch.optim after every step: what is outside the set stepped (the cross-shard
+    table's second half included), the set's parameters did not, and the next steps started clean."""
+    for result in ranks[case]:
         assert [step for step, _ in result["raised"]] == [1], result["raised"]
         assert "is inf, so they cannot be clipped" in result["raised"][0][1]
-        assert result["kinds"]["factor"] == "cross_shard"
+        assert result["kinds"]["factor"] == "cross_shard" and result["kinds"]["fused"] == "fused"
         still = [n for n, moved in result["moved"].items() if moved < 1e-3]
         assert not still, f"the reference did not move {still}"

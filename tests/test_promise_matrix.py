@@ -5,7 +5,8 @@ rows do not divide by the world size, each with a sharding type its collection s
 optimizer (fused, fallback, layer-wise, third-party), none, frozen, or dense semantics; batches that
 touch every row or a third; weighted features, MEAN pooling, a table shared by two features; FP16 and
 BF16 tables, BF16 optimizer state on tables and on the MLP; our DDP hook or the user's optimizer on
-the MLP; clipping by norm or value over a set, ``no_step`` micro-batches, a scheduler, a checkpoint mid-run (in place, ``torch.save`` into fresh objects,
+the MLP; clipping by norm or value over a set (by norm over everything, a step whose norm is not finite,
+refused and skipped), ``no_step`` micro-batches, a scheduler, a checkpoint mid-run (in place, ``torch.save`` into fresh objects,
 ``overlap_optim.checkpoint`` under another plan or on one rank, a rollback, plain DCP under the same plan or another,
 ``load_state_dict`` under another plan); a model built on meta (handed to DMP,
 materialized, or moved by ``to_empty``); VBE batches, declared; 1 or 2 ranks. Each example runs in the spawned
@@ -116,6 +117,7 @@ def configs(draw) -> Config:
             (("momentum", 0.5),), (("output_dtype", "FP16"),),
         ])),
         dense_part=dense_part, clip=clip, micro=draw(st.sampled_from([1, 1, 2])),
+        non_finite=clip == ("norm", "everything") and draw(st.booleans()),
         # the annotated MLP's Adam with BF16 state, as the tables' (state_bf16)
         dense_state_bf16=dense_part in ("hook", "fsdp") and draw(st.sampled_from([False] * 4 + [True])),
         schedule=draw(st.booleans()),
@@ -304,6 +306,14 @@ def directory():
 # BF16 state on a dense Adagrad table whose constructor makes its state (float32): loaded before a step.
 @example(config=Config((T("s0", "ec", 1, "table_wise", "adagrad", dense=True, state_bf16=True),), cover=False,
                        checkpoint="other_plan"))
+# A step whose norm is inf, refused on every rank and skipped, in a window, before a checkpoint in place: fused
+# tables (what our compiled backward kept of its first half is dropped), a cross-shard one, a lazy one, the MLP
+# in our DDP hook.
+@example(config=Config((T("t0", "ebc", 9, "row_wise", "adagrad"), T("t1", "ebc", 8, "row_wise", "adafactor"),
+                        T("t2", "ebc", 7, "table_wise", "adam")), clip=("norm", "everything"), non_finite=True,
+                       micro=2, checkpoint="in_place"))
+@example(config=Config((T("t0", "ebc", 9, "row_wise", "rowwise_adagrad"), T("s0", "ec", 5, "table_wise", "sgd")),
+                       clip=("norm", "everything"), non_finite=True, dense_part="fsdp", schedule=True, compiled=False))
 def test_exact_or_refused(config: Config, directory: str) -> None:
     name = hashlib.sha1(repr(config).encode()).hexdigest()[:10]
     if os.environ.get("MATRIX_LOG"):  # each example as it starts: a run that stalls shows where
