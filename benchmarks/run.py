@@ -139,7 +139,7 @@ NOTES = {
         "read and written once): 32.9 MB a step here, so the fractions flatter every kernel. **Why the 50% "
         "target of FBGEMM's TBE is missed:** its CPU backward for row-wise Adagrad sorts the ids and then "
         "updates scattered 256-byte rows of a table far larger than the caches, which is bound by memory "
-        "latency (cache and TLB misses, 4 KB pages: this machine gives no huge pages), not by bandwidth. "
+        "latency (cache and TLB misses on 4 KB pages), not by bandwidth. "
         "**Our fused path** runs our compiled backward (`sharders/fused_rows.py`). 2026-11-27 (later), with "
         "its prefetches really issued (see sparse_vs_torchrec): 0.16, 0.15, 0.16 of triad in three runs "
         "(median 0.16; 4.35-4.75 ms a step), against 0.10-0.14 before; the same path with FBGEMM's backward "
@@ -156,7 +156,13 @@ NOTES = {
         "(weight, exp_avg, exp_avg_sq), so every row costs cache and TLB misses that the two-rows-ahead "
         "prefetch hides only in part on 2 threads; its radix sort of the ids is serial; and the byte count "
         "leaves out the gradient reads and the sort. More cores (more misses in flight) or huge pages would "
-        "move it, not the arithmetic."
+        "move it, not the arithmetic. **Huge pages** (2026-11-27, session 5): this machine has transparent huge "
+        "pages in madvise mode (an earlier note said it had none); torch's allocator asks for them with "
+        "`THP_MEM_ALLOC_ENABLE=1`. Four paired runs of this benchmark alone, without / with it: our fused path "
+        "0.16 / 0.18, 0.13 / 0.20, 0.15 / 0.21, 0.16 / 0.09; FBGEMM's TBE alone 0.23 / 0.25, 0.20 / 0.29, "
+        "0.23 / 0.29, 0.22 / 0.13. Three runs of four gain 10-50%, one loses half (page compaction at fault "
+        "time, we think; not measured). Not adopted: it is the process's environment, not the library's "
+        "choice, and even its best run leaves our path short of 0.25."
     ),
     "scaling": (
         "Cost should follow the touched rows: flat in the table size, roughly linear in the batch. The fused "
