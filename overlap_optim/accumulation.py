@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlap_optim import _private, plans
 from overlap_optim.record import group_of, module_record, module_record_of, record, record_of
+from overlap_optim.round import raised_at_end
 
 __all__ = ["no_step", "accumulating", "module_accumulating", "Window", "window_of", "StepTracker", "track_steps"]
 
@@ -89,12 +90,14 @@ def module_accumulating(module: nn.Module) -> bool:
 
 class StepTracker:
     """The rule for undeclared accumulation, for one model: whether its keyed optimizer has
-    stepped, and whether it has since the model's previous backward."""
+    stepped, and whether it has since the model's previous backward (one whose end raised, a
+    refused step, needs no step after it)."""
 
     def __init__(self, window: Window) -> None:
         self.window = window
         self.ever_stepped = False
         self.stepped_since_backward = False
+        self.previous_backward: int | None = None  # the id of the model's previous backward
 
     def stepped(self) -> None:
         """From the keyed optimizer's ``step()``."""
@@ -106,7 +109,8 @@ class StepTracker:
         if self.window.open:
             self.window.pending = True
             return
-        if self.ever_stepped and not self.stepped_since_backward:
+        # A backward whose end raised (a refused step) needs no step() after it: a loop skips the batch.
+        if self.ever_stepped and not self.stepped_since_backward and not raised_at_end(self.previous_backward):
             raise RuntimeError(
                 "this backward found no step() of the model's optimizer since its previous backward. Each "
                 "backward updates every annotated parameter, so a loop that accumulates micro-batches this way "
@@ -115,6 +119,7 @@ class StepTracker:
                 "or call step() after every backward (it does nothing but keep schedulers in order)"
             )
         self.stepped_since_backward = False
+        self.previous_backward = _private.backward_id()
         self.window.pending = False
 
     def _hook_output(self, _module: nn.Module, _inputs: object, output: object) -> None:

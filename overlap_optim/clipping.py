@@ -247,7 +247,7 @@ class GradientClipping:
             raise RuntimeError(
                 f"gradient clipping: the global {self.norm_type}-norm of the set's gradients is {total_norm.item()}, "
                 "so they cannot be clipped (error_if_nonfinite=True); no update of the set ran this step, and its "
-                "gradients are released: to skip the batch, go on to the next (calling step() as after any backward)"
+                "gradients are released: to skip the batch, go on to the next (no step() is needed after this one)"
             )
         coefficient = torch.clamp(self._max_norm / (total_norm + 1e-6), max=1.0)
         self.coefficient = coefficient

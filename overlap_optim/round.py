@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from overlap_optim import _private
 
-__all__ = ["EndOfBackwardRound", "Phase", "arm_in_backward"]
+__all__ = ["EndOfBackwardRound", "Phase", "arm_in_backward", "raised_at_end"]
 
 Finish = Callable[[torch.Tensor], None]
 
@@ -267,6 +267,7 @@ class _Schedule:
     def __init__(self) -> None:
         self.armed: list[EndOfBackwardRound] = []
         self.queued: int | None = None  # the backward whose end runs them
+        self.raised_in: int | None = None  # the last backward whose rounds raised at its end
 
     def arm(self, round_: EndOfBackwardRound, backward: int) -> None:
         """Arm ``round_`` (not armed yet) for the running ``backward``."""
@@ -290,6 +291,7 @@ class _Schedule:
     def run(self) -> None:
         ran: list[EndOfBackwardRound] = []
         errors: list[Exception] = []
+        backward = self.queued
         try:
             while self.armed:  # a finish may arm a later phase's round
                 phase = min(r.phase for r in self.armed)
@@ -308,10 +310,18 @@ class _Schedule:
             for round_ in ran:
                 for finish in round_.take_deferred():
                     _attempt(finish, errors)
+        if errors:
+            self.raised_in = backward
         _raise_first(errors)
 
 
 _SCHEDULE = _Schedule()
+
+
+def raised_at_end(backward: int | None) -> bool:
+    """Whether the rounds of ``backward`` (an id of :func:`overlap_optim._private.backward_id`)
+    raised at its end: a refused step (a non-finite norm), after which a loop skips the batch."""
+    return backward is not None and backward == _SCHEDULE.raised_in
 
 
 def arm_in_backward(output: torch.Tensor, arms: list[Callable[[], None]]) -> torch.Tensor:

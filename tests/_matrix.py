@@ -621,9 +621,8 @@ class Ours:
         except RuntimeError as err:
             if not (self.config.non_finite and "so they cannot be clipped" in str(err)):
                 raise
-            # the loop skips the batch: step() as after every backward (it updates nothing), and neither the
-            # user's optimizer nor a scheduler steps, as the reference's loop skips them
-            self.keyed.step()
+            # the loop skips the batch, as the reference's does: no step() (a refused step needs none), and
+            # neither the user's optimizer nor a scheduler steps
             if self.user is not None:
                 self.user.zero_grad()
             return

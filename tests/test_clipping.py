@@ -190,11 +190,13 @@ def test_a_set_whose_norm_is_not_finite_does_not_stop_another_sets_updates(faili
     assert (reference.weight.detach() - start).abs().max().item() > 1e-3, "the reference must move"
 
 
+@pytest.mark.parametrize("call_step", [True, False])
 @pytest.mark.parametrize("micro", [1, 2])
-def test_after_a_non_finite_step_the_next_starts_clean(micro):
+def test_after_a_non_finite_step_the_next_starts_clean(micro, call_step):
     """Step 1's norm is inf (in its first micro-batch, with ``micro`` = 2: inside no_step); the loop
-    catches the error and skips the batch, as a torch loop skips the step and zeroes the gradients.
-    Weights equal the reference's after every step, and step 2 trains on its own gradient only."""
+    catches the error and skips the batch, as a torch loop skips the step and zeroes the gradients,
+    calling ``step()`` or not. Weights equal the reference's after every step, and step 2 trains on
+    its own gradient only."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     reference = copy.deepcopy(model)
@@ -214,7 +216,10 @@ def test_after_a_non_finite_step_the_next_starts_clean(micro):
             (model(xs[-1]).sum() / micro).backward()
         except RuntimeError as err:
             assert step == 1 and "so they cannot be clipped" in str(err), (step, err)
-        keyed.step()  # as after every backward: it updates nothing
+            if call_step:  # as after every backward: it updates nothing (without: the loop skips it)
+                keyed.step()
+        else:
+            keyed.step()
         for x in xs:
             (reference(x).sum() / micro).backward()
         try:
