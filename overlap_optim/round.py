@@ -52,6 +52,7 @@ reduced values is raised on every rank alike.
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 from collections.abc import Callable
@@ -267,7 +268,8 @@ class _Schedule:
     def __init__(self) -> None:
         self.armed: list[EndOfBackwardRound] = []
         self.queued: int | None = None  # the backward whose end runs them
-        self.raised_in: int | None = None  # the last backward whose rounds raised at its end
+        # the latest backwards whose rounds raised at their end (several: models may take turns)
+        self.raised_in: collections.deque[int] = collections.deque(maxlen=16)
 
     def arm(self, round_: EndOfBackwardRound, backward: int) -> None:
         """Arm ``round_`` (not armed yet) for the running ``backward``."""
@@ -310,8 +312,8 @@ class _Schedule:
             for round_ in ran:
                 for finish in round_.take_deferred():
                     _attempt(finish, errors)
-        if errors:
-            self.raised_in = backward
+        if errors and backward is not None:
+            self.raised_in.append(backward)
         _raise_first(errors)
 
 
@@ -321,7 +323,7 @@ _SCHEDULE = _Schedule()
 def raised_at_end(backward: int | None) -> bool:
     """Whether the rounds of ``backward`` (an id of :func:`overlap_optim._private.backward_id`)
     raised at its end: a refused step (a non-finite norm), after which a loop skips the batch."""
-    return backward is not None and backward == _SCHEDULE.raised_in
+    return backward is not None and backward in _SCHEDULE.raised_in
 
 
 def arm_in_backward(output: torch.Tensor, arms: list[Callable[[], None]]) -> torch.Tensor:
