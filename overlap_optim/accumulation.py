@@ -21,8 +21,10 @@ previous backward raises, on every rank, before any collective. ``step()``
 itself stays a no-op that keeps schedulers in order, and stays optional: a loop
 that never calls it is never checked.
 
-Not covered yet, refused with the tables' names: tables of sharded modules that
-update in their own kernels (fused, fallback, cross-shard).
+Tables of sharded modules accumulate too, on every kind of kernel (fused, fallback,
+cross-shard, data-parallel, replicated): each keeps its tables' gradients while the
+window is open and steps once on their sum. A batch with a variable batch size per
+feature (VBE) inside the window is refused by table.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlap_optim import _private, plans
 from overlap_optim.record import group_of, module_record, module_record_of, record, record_of
-from overlap_optim.round import raised_at_end
+from overlap_optim.round import when_raised
 
 __all__ = ["no_step", "accumulating", "module_accumulating", "Window", "window_of", "StepTracker", "track_steps"]
 
@@ -97,7 +99,7 @@ class StepTracker:
         self.window = window
         self.ever_stepped = False
         self.stepped_since_backward = False
-        self.previous_backward: int | None = None  # the id of the model's previous backward
+        self.previous_raised = False  # the rounds at the end of the model's previous backward raised
 
     def stepped(self) -> None:
         """From the keyed optimizer's ``step()``."""
@@ -110,7 +112,7 @@ class StepTracker:
             self.window.pending = True
             return
         # A backward whose end raised (a refused step) needs no step() after it: a loop skips the batch.
-        if self.ever_stepped and not self.stepped_since_backward and not raised_at_end(self.previous_backward):
+        if self.ever_stepped and not self.stepped_since_backward and not self.previous_raised:
             raise RuntimeError(
                 "this backward found no step() of the model's optimizer since its previous backward. Each "
                 "backward updates every annotated parameter, so a loop that accumulates micro-batches this way "
@@ -119,8 +121,12 @@ class StepTracker:
                 "or call step() after every backward (it does nothing but keep schedulers in order)"
             )
         self.stepped_since_backward = False
-        self.previous_backward = _private.backward_id()
+        self.previous_raised = False
+        when_raised(self._raised)
         self.window.pending = False
+
+    def _raised(self) -> None:
+        self.previous_raised = True
 
     def _hook_output(self, _module: nn.Module, _inputs: object, output: object) -> None:
         for leaf in _private.tree_leaves(output):
@@ -153,14 +159,13 @@ def no_step(model: nn.Module) -> Iterator[None]:
     gradients accumulate, and the last micro-batch reduce-scatters their sum and steps.
 
     Args:
-        model: a plain module, a DDP module, or a ``DistributedModelParallel`` whose tables
-            are all data-parallel (or frozen, or stepped by your own optimizer).
+        model: a plain module, a DDP or FSDP2 module, or a ``DistributedModelParallel``
+            with tables of any kind.
 
     Raises:
         TypeError: ``model`` is not a module.
         ValueError: nothing in ``model`` is annotated.
         RuntimeError: ``no_step`` of the same model is already active (nested).
-        NotImplementedError: the model has sharded tables that update in their own kernels.
 
     Example:
         >>> with overlap_optim.no_step(model):

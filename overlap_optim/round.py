@@ -52,7 +52,6 @@ reduced values is raised on every rank alike.
 
 from __future__ import annotations
 
-import collections
 import enum
 import functools
 from collections.abc import Callable
@@ -62,7 +61,7 @@ import torch.distributed as dist
 
 from overlap_optim import _private
 
-__all__ = ["EndOfBackwardRound", "Phase", "arm_in_backward", "raised_at_end"]
+__all__ = ["EndOfBackwardRound", "Phase", "arm_in_backward", "when_raised"]
 
 Finish = Callable[[torch.Tensor], None]
 
@@ -268,8 +267,8 @@ class _Schedule:
     def __init__(self) -> None:
         self.armed: list[EndOfBackwardRound] = []
         self.queued: int | None = None  # the backward whose end runs them
-        # the latest backwards whose rounds raised at their end (several: models may take turns)
-        self.raised_in: collections.deque[int] = collections.deque(maxlen=16)
+        # (backward, listener): told if the rounds at the end of that backward raise
+        self.listeners: list[tuple[int, Callable[[], None]]] = []
 
     def arm(self, round_: EndOfBackwardRound, backward: int) -> None:
         """Arm ``round_`` (not armed yet) for the running ``backward``."""
@@ -312,18 +311,27 @@ class _Schedule:
             for round_ in ran:
                 for finish in round_.take_deferred():
                     _attempt(finish, errors)
-        if errors and backward is not None:
-            self.raised_in.append(backward)
+        listeners = [f for b, f in self.listeners if b == backward]
+        self.listeners = [(b, f) for b, f in self.listeners if b != backward]
+        if errors:
+            for listener in listeners:
+                listener()
         _raise_first(errors)
+
+    def listen(self, backward: int, listener: Callable[[], None]) -> None:
+        """Tell ``listener`` if the rounds at the end of the running ``backward`` raise. Backwards
+        run one at a time: a listener of another backward is stale (that one ended) and dropped."""
+        self.listeners = [(b, f) for b, f in self.listeners if b == backward]
+        self.listeners.append((backward, listener))
 
 
 _SCHEDULE = _Schedule()
 
 
-def raised_at_end(backward: int | None) -> bool:
-    """Whether the rounds of ``backward`` (an id of :func:`overlap_optim._private.backward_id`)
-    raised at its end: a refused step (a non-finite norm), after which a loop skips the batch."""
-    return backward is not None and backward in _SCHEDULE.raised_in
+def when_raised(listener: Callable[[], None]) -> None:
+    """Call ``listener`` if the rounds at the end of the running backward raise (a refused step:
+    a non-finite norm, after which a loop skips the batch). Call it from inside that backward."""
+    _SCHEDULE.listen(_private.backward_id(), listener)
 
 
 def arm_in_backward(output: torch.Tensor, arms: list[Callable[[], None]]) -> torch.Tensor:

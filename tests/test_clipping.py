@@ -234,6 +234,41 @@ def test_after_a_non_finite_step_the_next_starts_clean(micro, call_step):
     assert (reference[0].weight.detach() - start).abs().max().item() > 1e-3, "the reference must move"
 
 
+def test_a_refused_step_is_remembered_by_its_own_model_whatever_other_models_raise():
+    """Model A's step 1 is refused (a non-finite norm) and the loop skips it without step(); then
+    another model's backward is refused 20 times. A's next backward still knows its previous one
+    was refused: it trains, exactly. (On the main of 2026-11-27 the flag was kept for the latest 16
+    refused backwards of any model, and A's next backward raised "found no step()".) And a model
+    whose previous backward was not refused still raises without step() between."""
+    torch.manual_seed(0)
+    model, other = nn.Linear(4, 1), nn.Linear(4, 1)
+    reference = copy.deepcopy(model)
+    for layer in (model, other):
+        apply_optimizer_in_backward(torch.optim.SGD, layer.parameters(), {"lr": 0.1})
+        apply_gradient_clipping(layer.parameters(), max_norm=1.0, error_if_nonfinite=True)
+    keyed, other_keyed = overlap_optim.get_optimizers(model), overlap_optim.get_optimizers(other)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    bad = torch.full((3, 4), math.inf)
+    model(x).sum().backward()
+    keyed.step()
+    with pytest.raises(RuntimeError, match="so they cannot be clipped"):
+        model(bad).sum().backward()  # refused; the loop skips step()
+    for _ in range(20):
+        with pytest.raises(RuntimeError, match="so they cannot be clipped"):
+            other(bad).sum().backward()
+        other_keyed.step()
+    model(x).sum().backward()  # no error: its own previous backward was refused
+    for _ in range(2):
+        reference(x).sum().backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    torch.testing.assert_close(model.weight.detach(), reference.weight.detach(), atol=1e-7, rtol=0)
+    with pytest.raises(RuntimeError, match="found no step"):
+        model(x).sum().backward()  # its previous backward stepped, and no step() since
+
+
 def test_a_meta_model_keeps_its_clipping_through_materialize():
     with torch.device("meta"):
         model = nn.Linear(4, 2)
