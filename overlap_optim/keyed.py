@@ -511,7 +511,7 @@ def unwrapped_name(name: str, prefixes: list[str]) -> str:
 
 def unwrapped_path(path: str) -> str:
     """A module path without DistributedModelParallel's (and its DDP's) wrapper names."""
-    for wrapper in ("_dmp_wrapped_module.module.", "_dmp_wrapped_module."):
+    for wrapper in (f"{_private.DMP_WRAPPED}.module.", f"{_private.DMP_WRAPPED}."):
         if path.startswith(wrapper):
             return path[len(wrapper) :]
     return path

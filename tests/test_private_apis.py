@@ -194,9 +194,10 @@ def private_api_sites(root: Path = ROOT) -> list[str]:
                 elif _private_name(node.attr) and node.attr not in ours and node.attr not in CONTRACT \
                         and (owner, node.attr) not in STDLIB:
                     sites.append(f"{where}:{node.lineno}: .{node.attr}")
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier() \
-                    and _private_name(node.value) and node.value not in ours and node.value not in CONTRACT:
-                sites.append(f"{where}:{node.lineno}: {node.value!r}")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):  # a name, or a dotted path of names
+                if any(part.isidentifier() and _private_name(part) and part not in ours and part not in CONTRACT
+                       for part in node.value.split(".")):
+                    sites.append(f"{where}:{node.lineno}: {node.value!r}")
     unique = {site.removesuffix(" (a base class's)"): site for site in sites}  # one site, found twice
     return sorted(unique.values(), key=lambda site: (site.split(":")[0], int(site.split(":")[1])))
 
