@@ -163,3 +163,16 @@ def test_a_checkpoint_inside_a_window_is_refused_and_after_it_works():
     saved = opt.state_dict()
     assert saved["state"], "the window's update made state"
     opt.load_state_dict(saved)
+
+
+def test_no_step_does_not_document_refusals_it_no_longer_makes():
+    """Fused, fallback and cross-shard tables accumulate exactly (tests/test_accumulation_distributed.py
+    and the promise matrix's ``micro``): no_step's docs must not say they are refused (they did on the
+    main of 2026-11-27), nor list an error that nothing in no_step raises."""
+    import inspect
+
+    import overlap_optim.accumulation as accumulation
+
+    assert "NotImplementedError" not in no_step.__doc__ and "NotImplementedError" not in inspect.getsource(no_step)
+    assert "Not covered yet" not in accumulation.__doc__
+    assert "fused, fallback" in accumulation.__doc__  # what it says instead
