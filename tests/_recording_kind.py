@@ -112,3 +112,32 @@ def recorded_and_unchanged(rank: int, world_size: int, sharding_type: str, steps
         "grads": [n for n, p in dmp.named_parameters() if "recorded" in n and p.grad is not None],
         "describe": [line for line in sharders.describe(dmp).splitlines() if "recording" in line],
     }
+
+
+def variable_batch_beside_the_fallback(rank: int, world_size: int) -> dict:
+    """The ``recorded`` table beside a fallback (Adam) table, both table_wise, and a batch with a
+    variable batch size per feature (VBE): the error each rank raises at that batch's lookup."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    model = ManyTableModel(NAMES, seed=0)
+    overlap_optim.apply_optimizer_in_backward(torch.optim.Adam, model.tables["trained"].parameters(), {"lr": 0.1})
+    sharder = sharders.EmbeddingBagCollectionSharder()
+    constraints = {n: ParameterConstraints(sharding_types=["table_wise"]) for n in NAMES}
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
+        constraints=constraints,
+    )
+    with recording_decisions():
+        plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
+        dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    counts = (2, 3)  # bags of f_recorded, f_trained on this rank
+    kjt = KeyedJaggedTensor(
+        keys=["f_recorded", "f_trained"], values=torch.arange(7) % 4, lengths=torch.tensor([1, 2, 1, 2, 1]),
+        stride_per_key_per_rank=[[c] for c in counts],
+        inverse_indices=(["f_recorded", "f_trained"], torch.tensor([[0, 1, 0, 1], [0, 1, 2, 2]])),
+    )
+    try:
+        dmp.module.ebc(kjt)
+    except Exception as err:  # what the user would see
+        return {"error": f"{type(err).__name__}: {err}"}
+    return {"error": None}

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from _recording_kind import recorded_and_unchanged
+from _recording_kind import recorded_and_unchanged, variable_batch_beside_the_fallback
 from overlap_optim.testing import run_cases, selected_cases
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = {t: partial(recorded_and_unchanged, sharding_type=t) for t in ("table_wise", "row_wise")}
+CASES["vbe"] = variable_batch_beside_the_fallback
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def ranks(request):
     return run_cases(CASES, selected_cases(request, CASES), timeout=300)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", ["table_wise", "row_wise"])
 def test_a_new_kind_records_every_lookup_and_never_updates(ranks, case):
     results = ranks[case]
     sent = sorted(i for r in results for i in r["sent"])
@@ -45,3 +46,14 @@ def test_no_library_module_names_the_new_kind():
         for path in sorted((ROOT / package).glob("*.py")):
             names = {n.id for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Name)}
             assert "RecordingTable" not in names, path
+
+
+@pytest.mark.parametrize("case", ["vbe"])
+def test_a_variable_batch_reaching_a_new_kind_beside_the_fallback_is_refused_by_name(ranks, case):
+    """A kind named by a string (no enum's ``.value``) beside a fallback table: each rank refuses the
+    VBE batch naming the new kind's table (on the main of 2026-11-27: AttributeError, 'str' object has
+    no attribute 'value', in the check that looks for fused tables beside fallback ones)."""
+    errors = [out["error"] for out in ranks[case]]
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith("NotImplementedError: a batch with a variable batch size per feature (VBE)"), errors[0]
+    assert "{'recorded': 'it runs as recording" in errors[0] and "'trained'" not in errors[0], errors[0]
