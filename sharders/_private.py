@@ -186,20 +186,26 @@ def model_being_sharded() -> ModelBeingSharded | None:
     return None
 
 
-def merge_dense_variable_batches_by_rank(sharded: nn.Module) -> None:
-    """For a batch with a variable batch size per feature (VBE), TorchRec's pooled lookup joins
-    the outputs of several dense kernels kernel after kernel (``torch.cat``), where its output
-    all-to-all reads them rank after rank: each rank then gets other ranks' bags. Each such lookup
-    of ``sharded`` joins them with TorchRec's own rank-major merge instead. Private:
+def merge_variable_batches_by_rank(sharded: nn.Module) -> None:
+    """For a batch with a variable batch size per feature (VBE), TorchRec's pooled lookup joins the
+    outputs of several kernels in two ways that fail here: those of dense kernels kernel after kernel
+    (``torch.cat``), where its output all-to-all reads them rank after rank, so each rank would get
+    other ranks' bags; those of FBGEMM's kernels into one preallocated output, which FBGEMM's CPU
+    kernels refuse ("Using pre-allocated vbe_output is not supported on CPU"). Each such lookup of
+    ``sharded`` joins them with TorchRec's own rank-major merge instead (its path on MTIA); FBGEMM's
+    kernels on other devices keep the preallocated output. Private:
     ``GroupedPooledEmbeddingsLookup._emb_modules``, ``._feature_splits``, ``._forward``,
     ``._vbe_splits`` and ``._merge_variable_batch_embeddings``."""
     for lookup in lookups(sharded):
         modules = kernels_of_lookup(lookup)
-        if len(modules) < 2 or not all(isinstance(m, BatchedDenseEmbeddingBag) for m in modules):
+        dense = [isinstance(m, BatchedDenseEmbeddingBag) for m in modules]
+        if len(modules) < 2 or len(set(dense)) > 1:  # one kernel, or a mix TorchRec refuses itself
             continue
+        fused = not dense[0]
 
-        def forward(features: Any, lookup: nn.Module = lookup, plain: Callable = lookup.forward) -> Any:
-            if not features.variable_stride_per_key():
+        def forward(features: Any, lookup: nn.Module = lookup, plain: Callable = lookup.forward,
+                    fused: bool = fused) -> Any:
+            if not features.variable_stride_per_key() or (fused and features.device().type != "cpu"):
                 return plain(features)
             groups = features.split(lookup._feature_splits)
             return lookup._merge_variable_batch_embeddings(lookup._forward(groups), lookup._vbe_splits(groups))

@@ -47,10 +47,10 @@ class EmbeddingBagCollectionSharder(CollectionSharder, _TorchRecSharder):
     def adapt_kernels(self, sharded: nn.Module) -> None:
         """TorchRec divides every feature of a module that has a row-split MEAN table by its bag's
         length: only those are divided here (:func:`sharders._private.divide_only_row_split_means`).
-        A lookup of several fallback kernels joins their VBE outputs rank after rank
-        (:func:`sharders._private.merge_dense_variable_batches_by_rank`)."""
+        A lookup of several fallback kernels, or of several fused ones on CPU, joins their VBE outputs
+        rank after rank (:func:`sharders._private.merge_variable_batches_by_rank`)."""
         _private.divide_only_row_split_means(sharded)
-        _private.merge_dense_variable_batches_by_rank(sharded)
+        _private.merge_variable_batches_by_rank(sharded)
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         types = list(super().sharding_types(compute_device_type))

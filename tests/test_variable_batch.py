@@ -20,7 +20,10 @@ EXACT = ["sgd/table_wise", "sgd/row_wise", "sgd/column_wise", "rowwise_adagrad/t
          "adam/table_wise", "adam/row_wise", "adam/column_wise", "adam/table_row_wise", "lamb/row_wise",
          "adafactor/column_wise",
          # declared: FBGEMM's Adagrad has no variable-batch backward; the fallback runs it
-         "adagrad/table_wise/declared", "adagrad/row_wise/declared"]
+         "adagrad/table_wise/declared", "adagrad/row_wise/declared",
+         # two tables at two settings: two fused kernels in one lookup (on the main of 2026-11-27, row_wise:
+         # "[TBE API v2] Using pre-allocated vbe_output is not supported on CPU" on both ranks)
+         "sgd/row_wise/+sgd", "rowwise_adagrad/row_wise/+sgd", "sgd/column_wise/+sgd", "sgd/table_wise/+sgd"]
 REFUSED = {  # case -> what the refusal names (at the first VBE batch)
     "adagrad/table_wise": "FBGEMM's EXACT_ADAGRAD kernel has no variable-batch backward",
     "sgd/data_parallel": "DDP hook",
@@ -37,8 +40,9 @@ UNEVEN = {"sgd/row_wise/uneven": True, "adam/table_row_wise/uneven": True, "sgd/
 
 def _case(name: str):
     optimizer, sharding_type, *option = name.split("/")
+    split = option[0][1:] if option and option[0].startswith("+") else None  # "+sgd": a second table, under SGD
     return partial(train, optimizer=optimizer, sharding_type=sharding_type, variable_batch=option == ["declared"],
-                   uneven=option == ["uneven"], mean=option == ["mean"], fp16=option == ["fp16"])
+                   uneven=option == ["uneven"], mean=option == ["mean"], fp16=option == ["fp16"], split=split)
 
 
 CASES = {c: _case(c) for c in [*EXACT, *REFUSED, *REFUSED_AT_SHARDING, *UNEVEN]}
