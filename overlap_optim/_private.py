@@ -15,6 +15,7 @@ so that no other module imports it.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -58,6 +59,7 @@ __all__ = [
     "muon_adjusted_lr",
     "saves_param_groups",
     "DMP_WRAPPED",
+    "called_from_torch_state_dict_api",
     "Shard",
     "ShardedTensor",
     "ShardedTensorMetadata",
@@ -409,6 +411,35 @@ def muon_adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> 
     return _muon._adjust_lr(lr, adjust_lr_fn, shape)
 
 
+# -- torch.distributed.checkpoint.state_dict (get_state_dict / set_state_dict) --
+
+_TORCH_STATE_DICT_API = "torch.distributed.checkpoint.state_dict"
+
+
+def called_from_torch_state_dict_api() -> bool:
+    """Whether the function that calls this one was called by torch's ``get_state_dict`` /
+    ``set_state_dict`` machinery (``get_optimizer_state_dict``, ...), which calls an optimizer's
+    ``step``, ``state_dict`` and ``load_state_dict`` from its own module. Private: those callers
+    (``_init_optim_state``, ``_get_optim_state_dict``, ``_load_optim_state_dict``) are private."""
+    frame = sys._getframe(2)
+    for _ in range(3):  # the caller's caller, through a decorator or two
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__") == _TORCH_STATE_DICT_API:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _probe_torch_state_dict_api() -> object:
+    import torch.distributed.checkpoint.state_dict as api
+
+    for name in ("_init_optim_state", "_get_optim_state_dict", "_load_optim_state_dict"):
+        if api.__name__ != _TORCH_STATE_DICT_API or not callable(getattr(api, name, None)):
+            raise AttributeError(f"{_TORCH_STATE_DICT_API}.{name} is gone: the optimizer's caller is no longer found")
+    return api
+
+
 # -- TorchRec's KeyedOptimizer (the one TorchRec contract of the core) --
 
 
@@ -473,6 +504,9 @@ PRIVATE_APIS: dict[str, Callable[[], object]] = {
     "torch.optim._muon._adjust_lr": lambda: _muon._adjust_lr,
     "torchrec.optim.keyed.KeyedOptimizer.defaults['_save_param_groups']": _probe_save_param_groups,
     "torchrec.distributed.model_parallel.DistributedModelParallel._dmp_wrapped_module": _probe_dmp_wrapped,
+    "torch.distributed.checkpoint.state_dict._init_optim_state, _get_optim_state_dict, _load_optim_state_dict": (
+        _probe_torch_state_dict_api
+    ),
     **{f"torch._foreach_{op}": _foreach_entry(op) for op in _FOREACH_OPS},
     **{f"torch._fused_{op}": (lambda name=f"_fused_{op}": getattr(torch, name)) for op in _FUSED_OPS},
 }

@@ -242,6 +242,7 @@ def _read_validated(directory: Path, model: torch.nn.Module, optimizer: Any) -> 
     saved = _check_against_metadata(directory, wanted)
     if f"optim.{PLACEHOLDERS}" not in saved:  # written before state dicts listed their placeholders
         wanted["optim"].pop(PLACEHOLDERS, None)
+    _read_param_groups_as_saved(wanted, saved)
     scratch = _scratch_copy(wanted)
     try:  # dtypes were checked (_check_dtypes): cast if asked
         dcp.load(scratch, checkpoint_id=str(directory), planner=LoadPlanner(cast=True))
@@ -350,7 +351,10 @@ class LoadPlanner(dcp.DefaultLoadPlanner):
     (a ``CheckpointError``, the same on every rank; ``dcp.load`` raises it inside its
     ``CheckpointException``, one per rank). With ``cast=True`` it reads as torch's does: each such
     tensor cast once, to nearest even. It keeps ``ShardedTensor`` entries whole
-    (``flatten_sharded_tensors=False``): torch's default drops those with no piece on this rank.
+    (``flatten_sharded_tensors=False``): torch's default drops those with no piece on this rank, then
+    takes their absence for a checkpoint of before torch 2.4 and reads the template in that layout,
+    where a scheduler's state is one entry. It also reads an optimizer state dict whose
+    ``param_groups`` were saved as a list (overlap-optim before 2026-11-28).
 
     Args:
         cast: cast weights of another dtype instead of refusing them.
@@ -377,7 +381,10 @@ class LoadPlanner(dcp.DefaultLoadPlanner):
         self.weights = weights
 
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False) -> None:
-        """torch's, then the refusal: DCP calls it on every rank before it reads anything."""
+        """torch's, then the refusal: DCP calls it on every rank before it reads anything. An
+        optimizer state dict saved before ``param_groups`` was one entry is read in its own layout."""
+        if metadata is not None:
+            _read_param_groups_as_saved(state_dict, set(metadata.state_dict_metadata))
         super().set_up_planner(state_dict, metadata, is_coordinator)
         if self.cast or metadata is None:
             return
@@ -385,6 +392,28 @@ class LoadPlanner(dcp.DefaultLoadPlanner):
         saved = {k: metadata.state_dict_metadata.get(k) for k in ours}
         refuse_other_dtypes(saved, ours, "the checkpoint",
                             "pass overlap_optim.checkpoint.LoadPlanner(cast=True) to cast them once (to nearest even)")
+
+
+def _read_param_groups_as_saved(state_dict: dict[str, Any], saved: set[str]) -> None:
+    """Give each optimizer state dict in ``state_dict`` (a load template) the layout in which a
+    checkpoint with the keys ``saved`` holds its ``param_groups``.
+
+    Our keyed optimizer's ``param_groups`` is a tuple, one entry for DCP (``"optim.param_groups"``).
+    A checkpoint written before that (by overlap-optim up to 2026-11-27, or by an optimizer whose
+    groups are a list) holds one entry per hyperparameter (``"optim.param_groups.0.lr"``): the
+    template's tuple becomes a list of dicts with those names, which DCP fills.
+    """
+    for key, value in state_dict.items():
+        prefix = f"{key}.param_groups"
+        if not isinstance(value, dict) or not isinstance(value.get("param_groups"), tuple) or prefix in saved:
+            continue
+        groups: dict[int, dict[str, Any]] = {}
+        for name in saved:
+            index, _, field = name[len(prefix) + 1 :].partition(".")
+            if name.startswith(prefix + ".") and index.isdigit() and field:
+                groups.setdefault(int(index), {})[field] = None
+        if groups:
+            value["param_groups"] = [groups[i] for i in sorted(groups)]
 
 
 def _flat_tensors(tree: Any, prefix: str = "") -> dict[str, tuple[int, ...]]:

@@ -128,7 +128,7 @@ class InBackwardOptimizer(KeyedOptimizer):
                 "with overlap_optim: train in bfloat16 autocast (no loss scaling needed), or leave the "
                 "parameters that need loss scaling unannotated"
             )
-        if self._tracker is not None:
+        if self._tracker is not None and not _private.called_from_torch_state_dict_api():
             self._tracker.stepped()
         if closure is None:
             return None
@@ -146,8 +146,24 @@ class InBackwardOptimizer(KeyedOptimizer):
                 "Save or load after the window's last backward"
             )
 
+    def _refuse_torch_state_dict_api(self) -> None:
+        """torch's ``get_state_dict`` / ``set_state_dict`` translate an optimizer's state between keys by
+        position and keys by name; ours is keyed by name already, so they would mis-key it."""
+        if not _private.called_from_torch_state_dict_api():
+            return
+        if self._tracker is None or not self._tracker.window.open:
+            for param in self._in_backward.values():  # the zero gradients torch put to make state
+                param.grad = None
+        raise NotImplementedError(
+            "torch.distributed.checkpoint.state_dict's get_state_dict / set_state_dict (and get_optimizer_state_dict, "
+            "set_optimizer_state_dict) translate an optimizer's state between keys by position and keys by parameter "
+            "name; overlap_optim's keyed optimizer already keys its state by parameter FQN, so they would mis-key it. "
+            "Save opt.state_dict() and load it with opt.load_state_dict(), or hand the optimizer itself to DCP "
+            "(dcp.save({'optim': opt}), dcp.load({'optim': opt})): see docs/checkpoints.md. Nothing was changed"
+        )
+
     def state_dict(self) -> dict[str, Any]:
-        """``{"state": {fqn: {name: value}}, "param_groups": [...]}``.
+        """``{"state": {fqn: {name: value}}, "param_groups": (...), "placeholders": [...]}``.
 
         Keys are the unsharded model's parameter FQNs and state names are
         torch.optim's, with torch.optim's shapes, whatever the sharding plan:
@@ -167,9 +183,18 @@ class InBackwardOptimizer(KeyedOptimizer):
         which does). The first forward after an in-place fill that was never
         loaded raises (see ``docs/checkpoints.md``).
 
+        ``param_groups`` is a tuple of dicts, which ``torch.distributed.checkpoint``
+        stores as one entry: torch's default load planner re-reads a template in its
+        pre-2.4 layout when some ``ShardedTensor`` has no piece on a rank (a table_wise
+        table held by another rank), and there a list of dicts is one entry where the
+        saved layout has one per hyperparameter. A tuple is one entry in both, so
+        ``dcp.load`` reads this state dict under any plan.
+
         Raises:
             RuntimeError: inside a ``no_step`` window (see :func:`overlap_optim.no_step`).
+            NotImplementedError: called by torch's ``get_state_dict`` (see :meth:`load_state_dict`).
         """
+        self._refuse_torch_state_dict_api()
         self._refuse_mid_window("state_dict()")
         self.init_state()  # every entry, so that dcp.load can fill even a fresh optimizer's state dict
         self._template_out = True
@@ -179,7 +204,9 @@ class InBackwardOptimizer(KeyedOptimizer):
             state.update({_join(path, k): v for k, v in tables.state_dict().items()})
         return {
             "state": state,
-            "param_groups": [self._group_state(g) for g in self._groups],
+            # A tuple: one entry for torch.distributed.checkpoint whichever of its two layouts a load
+            # reads (see _state_schema.PARAM_GROUPS_IN_DCP).
+            "param_groups": tuple(self._group_state(g) for g in self._groups),
             _state_schema.PLACEHOLDERS: sorted(k for k in state if k not in real),
         }
 
@@ -202,7 +229,11 @@ class InBackwardOptimizer(KeyedOptimizer):
                 a parameter's optimizer or state names differ, or a state
                 tensor's shape does not fit its parameter.
             RuntimeError: inside a ``no_step`` window.
+            NotImplementedError: called by ``torch.distributed.checkpoint.state_dict``'s
+                ``set_state_dict`` (or ``get_state_dict``, from :meth:`state_dict`), which re-key
+                state between positions and names: ours is keyed by name already.
         """
+        self._refuse_torch_state_dict_api()
         self._refuse_mid_window("load_state_dict()")
         ranks = self._sources[0][1].process_group if self._sources else None
         try:

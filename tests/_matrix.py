@@ -142,7 +142,8 @@ class Config:
     # "torch_save" (into fresh objects), "other_plan" (overlap_optim.checkpoint), "one_rank" (the same,
     # loaded into the model sharded for one rank, which trains on with the global batch); plain DCP:
     # "dcp" (fresh state dicts filled, then loaded), "dcp_other_plan" (dcp.load of the objects
-    # themselves, under another plan), "state_dict_other_plan" (load_state_dict of the state dict
+    # themselves, under another plan), both with torch's default load planner;
+    # "state_dict_other_plan" (load_state_dict of the state dict
     # held in memory, under another plan)
     checkpoint: str | None = None
     # built and annotated on the meta device, then "dmp": handed to DMP as it is; "materialize":
@@ -686,11 +687,11 @@ def _checkpoint(ours: Ours, config: Config, weights: dict[str, torch.Tensor], de
         planner = checkpoint.LoadPlanner()  # pieces held by the other rank kept; dtypes kept
         if config.checkpoint == "dcp":  # torch's recipe: fill fresh state dicts in place, then load them
             state = {"model": fresh.dmp.state_dict(), "optim": fresh.keyed.state_dict()}
-            dcp.load(state, checkpoint_id=path, planner=planner)
+            dcp.load(state, checkpoint_id=path)  # torch's default planner, as users write it
             fresh.dmp.load_state_dict(state["model"])
             fresh.keyed.load_state_dict(state["optim"])
         elif config.checkpoint == "dcp_other_plan":  # the objects themselves: DCP calls load_state_dict
-            dcp.load({"model": fresh.dmp, "optim": fresh.keyed}, checkpoint_id=path, planner=planner)
+            dcp.load({"model": fresh.dmp, "optim": fresh.keyed}, checkpoint_id=path)  # torch's default planner
         else:  # "state_dict_other_plan": the weights through DCP, the optimizer's state dict from memory
             dcp.load({"model": fresh.dmp}, checkpoint_id=path, planner=planner)
             fresh.keyed.load_state_dict(saved)

@@ -285,6 +285,71 @@ def plain_dcp(rank, world_size, directory):
     return out
 
 
+PLAN_TABLE_WISE = dict.fromkeys(NAMES, "table_wise")
+
+
+def plain_dcp_same_plan(rank, world_size, directory):
+    """Every table table_wise (each rank holds some tables whole, and no piece of the others): plan
+    A trains and saves with plain DCP, ``dcp.save({"model": dmp.state_dict(), "optim":
+    keyed.state_dict(), "sched": ...})``. Fresh objects under the same plan (another seed) load it
+    with torch's default planner, as users write it, two ways: torch's recipe (fill fresh state
+    dicts in place, then ``load_state_dict``) and DCP's Stateful protocol (``dcp.load`` of the
+    objects themselves). Each trains on, compared with the reference after every step. On the main
+    of 2026-11-27 both raised "Missing key in checkpoint state_dict: optim.param_groups" on both
+    ranks: torch's default planner drops a ShardedTensor with no piece on the rank, takes the
+    missing key for a checkpoint written before torch 2.4, and re-reads the template in that
+    layout, where a list of param-group dicts is one entry.
+
+    Then a checkpoint in the layout written before this fix (``param_groups`` a list: one entry per
+    hyperparameter), loaded into fresh state dicts with ``overlap_optim.checkpoint.LoadPlanner``,
+    which reads it in its own layout; and torch's ``get_state_dict`` of the model and optimizer,
+    whose error is returned."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    dmp, keyed, sched, reference = _sharded(PLAN_TABLE_WISE, world_size)
+    _train(dmp, keyed, sched, reference, rank, world_size, range(SAVED_AT))
+    assert any(not v.local_shards() for v in dmp.state_dict().values() if hasattr(v, "local_shards")), \
+        "every table has a piece on this rank: the case proves nothing"
+    paths = {"now": os.path.join(directory, "plain-dcp-same-plan"), "before": os.path.join(directory, "list-groups")}
+    saved, saved_sched = keyed.state_dict(), sched.state_dict()
+    dcp.save({"model": dmp.state_dict(), "optim": saved, "sched": saved_sched}, checkpoint_id=paths["now"])
+    old_layout = {**saved, "param_groups": list(saved["param_groups"])}
+    dcp.save({"model": dmp.state_dict(), "optim": old_layout, "sched": sched.state_dict()}, checkpoint_id=paths["before"])
+    out = {}
+    for form in ("recipe", "stateful", "before"):
+        twin = _reference_at(SAVED_AT)
+        resumed, keyed_b, sched_b, _ = _sharded(PLAN_TABLE_WISE, world_size, seed=1)
+        # torch's default planner re-reads the template in the pre-2.4 layout here, where a nested
+        # entry without tensors (the scheduler's) is one key: it cannot read "sched" (its bug, not
+        # ours), so those forms take the scheduler's state from memory.
+        if form == "stateful":
+            sched_b.load_state_dict(saved_sched)
+            dcp.load({"model": resumed, "optim": keyed_b}, checkpoint_id=paths["now"])
+        elif form == "recipe":
+            sched_b.load_state_dict(saved_sched)
+            state = {"model": resumed.state_dict(), "optim": keyed_b.state_dict()}
+            dcp.load(state, checkpoint_id=paths["now"])
+            resumed.load_state_dict(state["model"])
+            keyed_b.load_state_dict(state["optim"])
+        else:  # our planner keeps whole ShardedTensors: no layout guessing, the scheduler read too
+            state = {"model": resumed.state_dict(), "optim": keyed_b.state_dict(), "sched": sched_b.state_dict()}
+            dcp.load(state, checkpoint_id=paths["before"], planner=checkpoint.LoadPlanner())
+            resumed.load_state_dict(state["model"])
+            keyed_b.load_state_dict(state["optim"])
+            sched_b.load_state_dict(state["sched"])
+        _train(resumed, keyed_b, sched_b, twin, rank, world_size, range(SAVED_AT, STEPS))
+        out[form] = twin.moved()
+    try:
+        get_state_dict(dmp, keyed)
+        out["get_state_dict"] = "no error"
+    except Exception as err:  # torch's own, before it reaches the optimizer
+        out["get_state_dict"] = f"{type(err).__name__}: {err}"
+    return out
+
+
 def interrupted_load(rank, world_size, directory=None):
     """``load_state_dict`` of plan A's state dict into plan B, interrupted (KeyboardInterrupt) while it
     copies: at the third table (the param groups and two tables already copied),

@@ -270,3 +270,35 @@ def test_a_checkpoint_taken_before_the_first_step_trains_on_as_torch_optim_from_
             ref_opt.zero_grad()
         assert_same_params(resumed, reference, step)
     assert_moved(reference, before)
+
+
+@pytest.mark.parametrize("trained", [False, True])
+def test_torchs_get_and_set_state_dict_are_refused_by_name_with_nothing_changed(trained):
+    """torch.distributed.checkpoint.state_dict re-keys an optimizer's state from positions to names
+    (get) and back (set); ours is keyed by name already. On the main of 2026-11-27 get_state_dict
+    returned our state keyed by position, and set_state_dict failed on those keys. Both are refused,
+    naming the API, fresh (where torch first puts zero gradients and steps to make state) or trained:
+    no gradient is left behind, the weights and state are as they were, and a loop that never called
+    step() is still not checked."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = _annotated()
+    optimizer = get_optimizers(model)
+    generator = torch.Generator().manual_seed(0)
+    if trained:
+        loss_of(model, make_batch(generator)).backward()
+    before, state = clone_params(model), copy.deepcopy(optimizer.state_dict())
+    with pytest.raises(NotImplementedError, match="get_state_dict / set_state_dict .* keys its state by parameter FQN"):
+        get_state_dict(model, optimizer)
+    with pytest.raises(NotImplementedError, match="get_state_dict / set_state_dict"):
+        set_state_dict(model, optimizer, model_state_dict=model.state_dict(), optim_state_dict=state)
+    assert all(p.grad is None for p in model.parameters())
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), before[name]), name
+    after = optimizer.state_dict()
+    assert after["placeholders"] == state["placeholders"] and after["param_groups"] == state["param_groups"]
+    for key, entry in state["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(after["state"][key][name], value), (key, name)
+    for _ in range(2):  # no step() ever called: no "found no step()" check
+        loss_of(model, make_batch(generator)).backward()

@@ -255,6 +255,12 @@ def directory():
 @example(config=Config((T("t0", "ebc", 7, "row_wise", "adam"), T("t1", "ebc", 9, "column_wise", "lamb"),
                         T("t2", "ebc", 5, "table_wise", "sgd")), dense_part="user", micro=2,
                        clip=("norm", "tables"), checkpoint="dcp_other_plan"))
+# Plain DCP under the same plan, every table table_wise (so each rank lacks some tables): torch's default
+# planner re-read the template in its pre-2.4 layout and raised "Missing key in checkpoint state_dict:
+# optim.param_groups" on both ranks (issue 52).
+@example(config=Config((T("t0", "ebc", 7, "table_wise", "sgd"), T("t1", "ebc", 9, "table_wise", "adagrad"),
+                        T("t2", "ebc", 5, "table_wise", "adam"), T("t3", "ebc", 7, "table_wise", "adafactor"),
+                        T("t4", "ebc", 9, "table_wise", "sgd_momentum")), schedule=True, checkpoint="dcp"))
 @example(config=Config((T("t0", "ebc", 7, "row_wise", "adam"), T("s0", "ec", 9, "table_wise", "sgd_momentum"),
                         T("t1", "ebc", 5, "column_wise", "lamb", dense=True)), schedule=True, dense_part="fsdp",
                        checkpoint="rollback"))

@@ -14,7 +14,7 @@ import torch
 from _models import ManyTableModel
 from _reshard_bodies import (
     DENSE, NAMES, SETTINGS, ec_state_dict_then_reshard, interrupted_load, load_on_one_rank, plain_dcp,
-    save_then_reshard, state_dict_then_reshard, stock_state_dict_refused,
+    plain_dcp_same_plan, save_then_reshard, state_dict_then_reshard, stock_state_dict_refused,
 )
 from overlap_optim import apply_optimizer_in_backward, checkpoint, get_optimizers
 from overlap_optim.testing import run_cases, selected_cases
@@ -28,6 +28,7 @@ TWO_RANKS = {
     "state_dict/reshard/ec": ec_state_dict_then_reshard,
     "state_dict/stock": stock_state_dict_refused,
     "plain_dcp": plain_dcp,
+    "plain_dcp/same_plan": plain_dcp_same_plan,
     "state_dict/interrupted": interrupted_load,
 }
 ONE_RANK = {"one_rank": load_on_one_rank}
@@ -170,6 +171,25 @@ def test_plain_dcp_into_fresh_objects_is_exact_under_either_plan(two, case):
     for rank, out in enumerate(two[case]):
         for form in ("recipe", "stateful", "unloaded"):
             assert out[form] > 1e-3, f"rank {rank}, {form}: the reference did not move"
+
+
+@pytest.mark.parametrize("case", ["plain_dcp/same_plan"])
+def test_plain_dcp_under_the_same_table_wise_plan_is_exact_with_torchs_default_planner(two, case):
+    """Compared with the reference after every step, in the body; here, that each run moved it:
+    torch's recipe and the Stateful protocol with torch's default planner, and a checkpoint in the
+    layout written before param_groups was one entry, through checkpoint.LoadPlanner."""
+    for rank, out in enumerate(two[case]):
+        for form in ("recipe", "stateful", "before"):
+            assert out[form] > 1e-3, f"rank {rank}, {form}: the reference did not move"
+
+
+@pytest.mark.parametrize("case", ["plain_dcp/same_plan"])
+def test_torchs_get_state_dict_does_not_take_a_distributed_model_parallel(two, case):
+    """torch's get_state_dict resolves parameter names by attribute on the model, which DMP's names
+    (its wrapper stripped) do not follow: it raises before it reaches the optimizer, for stock
+    TorchRec alike (docs/checkpoints.md)."""
+    for out in two[case]:
+        assert out["get_state_dict"].startswith("AttributeError: 'DistributedModelParallel' object has no attribute")
 
 
 @pytest.mark.parametrize("case", ["plain_dcp"])
