@@ -34,6 +34,7 @@ __all__ = [
     "model_being_sharded", "divide_only_row_split_means", "uses_index_dedup", "data_parallel_wrapper",
     "reservation_percentage", "record_reservation", "replace_enumerator", "optimizer_classes_hidden",
     "annotations_read_as", "comm_hook_left_to_us", "recast_kernel", "replace_lookup", "run_first_on_load",
+    "sharding_inside_managed_collision",
 ]
 
 # The name under which DistributedModelParallel registers the module it wraps.
@@ -211,6 +212,21 @@ def merge_variable_batches_by_rank(sharded: nn.Module) -> None:
             return lookup._merge_variable_batch_embeddings(lookup._forward(groups), lookup._vbe_splits(groups))
 
         lookup.forward = forward
+
+
+def sharding_inside_managed_collision() -> bool:
+    """Whether TorchRec's sharded managed-collision collection is being built on this thread: it
+    hands its inner collection to the collection sharder it was given. Private: the frame of
+    ``BaseShardedManagedCollisionEmbeddingCollection.__init__`` on the stack."""
+    from torchrec.distributed.mc_embedding_modules import BaseShardedManagedCollisionEmbeddingCollection
+
+    code = BaseShardedManagedCollisionEmbeddingCollection.__init__.__code__
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def uses_index_dedup(sharder: Any) -> bool:
@@ -518,6 +534,9 @@ PRIVATE_APIS: dict[str, Callable[[], object]] = {
     "EmbeddingBagCollectionContext.divisor (set by ShardedEmbeddingBagCollection.input_dist)": lambda: _mentions(
         "torchrec.distributed.embeddingbag", "ctx.divisor = _create_mean_pooling_divisor("),
     "DistributedModelParallel._init_dmp(self, module)": lambda: _takes(DistributedModelParallel._init_dmp, "module"),
+    "BaseShardedManagedCollisionEmbeddingCollection.__init__ hands _embedding_module to the collection's sharder": (
+        lambda: _mentions("torchrec.distributed.mc_embedding_modules", "e_sharder.shard(")
+    ),
     "DistributedModelParallel._plan": lambda: _set_by(DistributedModelParallel, "_plan"),
     "DistributedModelParallel._sharder_map": lambda: _set_by(DistributedModelParallel, "_sharder_map"),
     "DistributedModelParallel._data_parallel_wrapper": lambda: _set_by(DistributedModelParallel,

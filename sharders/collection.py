@@ -63,9 +63,11 @@ from sharders._private import kernels_of
 from sharders.data_parallel import DataParallelWrapper, FullyShardWrapper
 from sharders.kernels import ROW_SPLITTING, BuildContext, TableKernel, kernel_class
 from sharders.live_settings import install_settings_check
+from sharders.managed_collision import refuse_managed_collision_sharding
 from sharders.optimizer_table import decide
 from sharders.plan import ShardedModulePlan
 from sharders.table_state import ShardedTables
+from sharders.two_dimensional import refuse_two_dimensional
 from sharders.weight_dtypes import install_dtype_check
 
 __all__ = ["CollectionSharder", "check_model", "SAFE_FUSED_PARAMS"]
@@ -168,6 +170,8 @@ class CollectionSharder:
     ) -> nn.Module:
         device = device or torch.device("cpu")
         whole = _private.model_being_sharded()
+        refuse_two_dimensional(env)
+        refuse_managed_collision_sharding(module, whole.root if whole is not None else None, module_fqn or "")
         if whole is not None and not any(isinstance(m, ShardedModule) for m in whole.root.modules()):
             check_model(whole, device.type)  # the first module: every refusal of every module, before any changes
         self.check_options(device.type)

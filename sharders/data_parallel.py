@@ -37,6 +37,7 @@ from overlap_optim.spec import AnnotationGroup
 from sharders import _private
 from sharders.kernels import BuildContext, KernelKind, TableKernel
 from sharders.managed_collision import refuse_managed_collision
+from sharders.two_dimensional import refuse_two_dimensional
 
 __all__ = ["DataParallelTable", "DataParallelWrapper", "FullyShardWrapper", "without_tables", "attach_optimizer"]
 
@@ -167,6 +168,7 @@ class DataParallelWrapper(DefaultDataParallelWrapper):
         self.local_sgd = local_sgd
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
+        refuse_two_dimensional(env)
         refuse_managed_collision(dmp.module)
         carry_over(dmp.module)  # before DDP takes the parameters that init_parameters made
         with _private.comm_hook_left_to_us(self) as comm:  # else TorchRec registers its own compress hook
@@ -203,6 +205,7 @@ class FullyShardWrapper(TorchRecDataParallelWrapper):
         self.mesh, self.kwargs = mesh, fully_shard_kwargs
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
+        refuse_two_dimensional(env)
         refuse_managed_collision(dmp.module)
         carry_over(dmp.module)
         module = _private.wrapped_module(dmp)

@@ -57,6 +57,7 @@ from overlap_optim.spec import AnnotationGroup
 from sharders import _private
 from sharders.collection import CollectionSharder
 from sharders.kernels import TableKernel, kernel_class
+from sharders.managed_collision import refuse_managed_collision
 from sharders.optimizer_table import decide
 from sharders.storage_reservation import DenseStorageReservation
 
@@ -90,6 +91,12 @@ class EmbeddingShardingPlanner(_TorchRecPlanner):
             _private.replace_enumerator(self, FittingEnumerator)
 
 
+    def plan(self, module: nn.Module, sharders: list) -> Any:
+        """TorchRec's, after refusing what our sharders refuse for the whole model (a managed-collision
+        collection), before any table is planned."""
+        refuse_managed_collision(module)
+        return super().plan(module, sharders)
+
     def collective_plan(self, module: nn.Module, sharders: list | None = None, pg: Any = None) -> Any:
         """TorchRec's: rank 0 plans and broadcasts the plan. Here its error is broadcast too, so that
         a table that cannot run, or a model that does not fit, raises the same error on every rank
@@ -100,7 +107,7 @@ class EmbeddingShardingPlanner(_TorchRecPlanner):
         def outcome() -> tuple[str, Any]:
             try:
                 return "plan", self.plan(module, sharders)
-            except (PlannerError, ValueError) as err:
+            except (PlannerError, ValueError, NotImplementedError) as err:
                 return "error", err
 
         kind, value = invoke_on_rank_and_broadcast_result(pg, 0, outcome)

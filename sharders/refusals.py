@@ -168,6 +168,28 @@ REFUSALS: tuple[Refusal, ...] = (
         "qualify it with the collection's path: dense_tables=[\"ebc_a.t0\"]",
         r"a table of each of the modules",
     ),
+    Refusal(
+        "managed_collision",
+        "a managed-collision collection (ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection) "
+        "in a model that our planner plans, our sharders shard (its inner collection too, handed over by TorchRec's "
+        "managed-collision sharder) or our data-parallel wrappers wrap",
+        "plan, or shard (before any module is sharded; under our wrappers alone, after DMP has sharded it)",
+        "its id remapping keeps state outside the optimizer and per rank: an evicted slot's new id inherits the old "
+        "id's optimizer state, and each row shard remaps on its own; not built yet",
+        "remap ids before the model and use a plain EmbeddingBagCollection or EmbeddingCollection",
+        r"managed-collision collections are not supported by overlap-optim's sharders",
+        sampled=False,
+    ),
+    Refusal(
+        "two_dimensional",
+        "2D sparse parallelism: TorchRec's DMPCollection (a ShardingEnv2D) with our sharders or data-parallel wrappers",
+        "shard",
+        "DMPCollection.sync() averages only FBGEMM's fused kernels and their 'sum' state, so the other kinds' state "
+        "would drift between replicas, and the end-of-backward rounds would reduce across replicas",
+        "DistributedModelParallel over every rank",
+        r"2D sparse parallelism \(DMPCollection",
+        sampled=False,
+    ),
 )
 
 
