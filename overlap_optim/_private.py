@@ -60,6 +60,7 @@ __all__ = [
     "saves_param_groups",
     "DMP_WRAPPED",
     "called_from_torch_state_dict_api",
+    "torchrec_holds_step",
     "Shard",
     "ShardedTensor",
     "ShardedTensorMetadata",
@@ -411,6 +412,47 @@ def muon_adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> 
     return _muon._adjust_lr(lr, adjust_lr_fn, shape)
 
 
+# -- TorchRec's gradient accumulation wrapper (train_pipeline.GradientAccumulationWrapper) --
+
+
+def torchrec_holds_step(optimizer: Any) -> bool | None:
+    """While TorchRec's ``GradientAccumulationWrapper.progress`` runs on this thread around a
+    pipeline whose optimizer is ``optimizer`` (or a ``CombinedOptimizer`` holding it): whether the
+    wrapper will not step after this micro-batch (True), or will (False: the window's last, or
+    ``is_last_batch``). None when no such wrapper runs. Private: the frame of
+    ``GradientAccumulationWrapper.progress`` (its ``self`` and ``is_last_batch``), and the wrapper's
+    ``_config.is_enabled``, ``_optimizer_wrapper._optimizer`` and ``._should_step()``."""
+    from torchrec.distributed.train_pipeline.gradient_accumulation import GradientAccumulationWrapper
+
+    code = GradientAccumulationWrapper.progress.__code__
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back
+    if frame is None:
+        return None
+    wrapper = frame.f_locals["self"]
+    stepped = wrapper._optimizer_wrapper._optimizer
+    if not wrapper._config.is_enabled or (stepped is not optimizer and all(
+            o is not optimizer for _, o in getattr(stepped, "optimizers", []))):
+        return None
+    return not (frame.f_locals.get("is_last_batch") or wrapper._optimizer_wrapper._should_step())
+
+
+def _probe_torchrec_holds_step() -> object:
+    from torchrec.distributed.train_pipeline.gradient_accumulation import (
+        GradientAccumulationConfig, GradientAccumulationWrapper,
+    )
+
+    pipeline = type("Pipeline", (), {"_optimizer": None})()
+    wrapper = GradientAccumulationWrapper(pipeline, "opt", torch.nn.Linear(1, 1), GradientAccumulationConfig(num_steps=2))
+    assert wrapper._config.is_enabled and wrapper._optimizer_wrapper._optimizer == "opt"
+    assert wrapper._optimizer_wrapper._should_step() is False
+    names = GradientAccumulationWrapper.progress.__code__.co_varnames
+    if "self" not in names or "is_last_batch" not in names:
+        raise AttributeError("GradientAccumulationWrapper.progress no longer takes self and is_last_batch")
+    return torchrec_holds_step
+
+
 # -- torch.distributed.checkpoint.state_dict (get_state_dict / set_state_dict) --
 
 _TORCH_STATE_DICT_API = "torch.distributed.checkpoint.state_dict"
@@ -504,6 +546,8 @@ PRIVATE_APIS: dict[str, Callable[[], object]] = {
     "torch.optim._muon._adjust_lr": lambda: _muon._adjust_lr,
     "torchrec.optim.keyed.KeyedOptimizer.defaults['_save_param_groups']": _probe_save_param_groups,
     "torchrec.distributed.model_parallel.DistributedModelParallel._dmp_wrapped_module": _probe_dmp_wrapped,
+    "torchrec GradientAccumulationWrapper.progress(self, is_last_batch), ._config.is_enabled, "
+    "._optimizer_wrapper._optimizer, ._should_step()": _probe_torchrec_holds_step,
     "torch.distributed.checkpoint.state_dict._init_optim_state, _get_optim_state_dict, _load_optim_state_dict": (
         _probe_torch_state_dict_api
     ),

@@ -21,6 +21,11 @@ previous backward raises, on every rank, before any collective. ``step()``
 itself stays a no-op that keeps schedulers in order, and stays optional: a loop
 that never calls it is never checked.
 
+**TorchRec's** ``GradientAccumulationWrapper`` is mapped onto the window: the
+micro-batches after which it does not step the model's keyed optimizer run in the
+window as inside :func:`no_step`, and the one after which it steps closes it, so
+its loop is exact without a ``no_step`` of the user's.
+
 Tables of sharded modules accumulate too, on every kind of kernel (fused, fallback,
 cross-shard, data-parallel, replicated): each keeps its tables' gradients while the
 window is open and steps once on their sum. A batch with a variable batch size per
@@ -30,6 +35,7 @@ feature (VBE) inside the window is refused by table.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -100,10 +106,38 @@ class StepTracker:
         self.ever_stepped = False
         self.stepped_since_backward = False
         self.previous_raised = False  # the rounds at the end of the model's previous backward raised
+        self.optimizers: weakref.WeakSet = weakref.WeakSet()  # the model's keyed optimizers
+        self.deferred: contextlib.ExitStack | None = None  # the window a deferred step (TorchRec's wrapper) opened
 
     def stepped(self) -> None:
-        """From the keyed optimizer's ``step()``."""
+        """From the keyed optimizer's ``step()``.
+
+        Raises:
+            RuntimeError: TorchRec's gradient accumulation wrapper steps while the window it opened
+                holds micro-batches (its flush when the data ends inside a window): nothing steps a
+                window but the backward of its last micro-batch.
+        """
+        if self.deferred is not None and self.window.pending:
+            raise RuntimeError(
+                "TorchRec's GradientAccumulationWrapper stepped the optimizer (its flush when the data ends inside "
+                "a window) while the micro-batches of an unfinished window are held: overlap_optim steps a window's "
+                "summed gradient in the backward of its last micro-batch, and this window had none. Make the "
+                "number of micro-batches a multiple of num_steps, or pass is_last_batch=True to progress() with "
+                "the last one. The held micro-batches were not applied"
+            )
         self.ever_stepped = self.stepped_since_backward = True
+
+    def before_forward(self, model: nn.Module, _inputs: object) -> None:
+        """Before each forward of the model: under TorchRec's ``GradientAccumulationWrapper`` around one
+        of its keyed optimizers, a micro-batch after which the wrapper does not step runs in the model's
+        window, as inside :func:`no_step`; the window closes before the micro-batch after which it does."""
+        holds = next((h for h in map(_private.torchrec_holds_step, list(self.optimizers)) if h is not None), None)
+        if holds and self.deferred is None and not self.window.open:
+            self.deferred = contextlib.ExitStack()
+            self.deferred.enter_context(_window(model, ddp_sync_ours=False))  # the wrapper syncs DDP itself
+        elif holds is False and self.deferred is not None:
+            self.deferred.close()
+            self.deferred = None
 
     def backward_started(self) -> None:
         """At the start of each backward of the model (its output's gradient hook), on every rank
@@ -144,6 +178,7 @@ def track_steps(model: nn.Module) -> StepTracker:
     tracker = found.step_tracker
     if tracker is None:
         tracker = found.step_tracker = StepTracker(window_of(model))
+        model.register_forward_pre_hook(tracker.before_forward)
         model.register_forward_hook(tracker._hook_output)
     return tracker
 
@@ -172,6 +207,16 @@ def no_step(model: nn.Module) -> Iterator[None]:
         ...     (model(batch1) / 2).backward()    # nothing is updated
         >>> (model(batch2) / 2).backward()        # one update, from the summed gradient
     """
+    with _window(model):
+        yield
+
+
+@contextlib.contextmanager
+def _window(model: nn.Module, ddp_sync_ours: bool = True) -> Iterator[None]:
+    """:func:`no_step`; with ``ddp_sync_ours=False`` it leaves the DDP modules of ``model`` as they are
+    (a wrapper that enters and leaves their ``no_sync`` itself, such as TorchRec's gradient
+    accumulation wrapper; where DDP reduces inside the window, the hook keeps each rank's gradient
+    local)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"no_step takes an nn.Module, got {type(model).__name__}")
     params = [p for p in model.parameters() if group_of(p) is not None]
@@ -193,7 +238,8 @@ def no_step(model: nn.Module) -> Iterator[None]:
             members += plan.window_members()
         for module in model.modules():
             if isinstance(module, DistributedDataParallel):
-                stack.enter_context(_private.no_sync_unless_first_static(module))
+                if ddp_sync_ours:
+                    stack.enter_context(_private.no_sync_unless_first_static(module))
             elif isinstance(module, FSDPModule):  # each FSDP group: no reduce-scatter, no hook, until the last
                 module.set_requires_gradient_sync(False, recurse=False)
                 stack.callback(module.set_requires_gradient_sync, True, recurse=False)

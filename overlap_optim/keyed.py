@@ -456,6 +456,7 @@ def get_optimizers(model: torch.nn.Module) -> KeyedOptimizer:
         )
     in_backward = InBackwardOptimizer(annotated, tables)
     in_backward._tracker = track_steps(model)
+    in_backward._tracker.optimizers.add(in_backward)
     _check_before_forward(model, in_backward)
     if not foreign:
         return in_backward

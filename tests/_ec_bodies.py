@@ -121,12 +121,19 @@ def accumulated(rank, world_size, k=2, windows=2):
     return {"moved": moved, "describe": sharders.describe(dmp)}
 
 
-def shared_table_in_pipeline(rank, world_size, steps=3, clip=False, micro=1):
+def shared_table_in_pipeline(rank, world_size, steps=3, clip=False, micro=1, torchrec_accumulation=False,
+                             cut_short=False):
     """One EC table looked up by two features (one shared, fallback Adam; one fused Adagrad),
     trained through TorchRec's ``TrainPipelineSparseDist`` against torch.optim. ``clip``: both
     tables and the head clipped by a global norm that binds; ``micro``: micro-batches per step,
-    all but the last run through ``pipeline.progress`` inside ``overlap_optim.no_step``."""
+    all but the last run through ``pipeline.progress`` inside ``overlap_optim.no_step``, or, with
+    ``torchrec_accumulation``, every one through TorchRec's ``GradientAccumulationWrapper``
+    (``num_steps=micro``) and no ``no_step``. ``cut_short``: then one micro-batch more, where the data
+    ends: the wrapper's flush, whose error is returned."""
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    from torchrec.distributed.train_pipeline.gradient_accumulation import (
+        GradientAccumulationConfig, GradientAccumulationWrapper,
+    )
 
     model = _SharedModel()
     reference = copy.deepcopy(model)
@@ -148,12 +155,16 @@ def shared_table_in_pipeline(rank, world_size, steps=3, clip=False, micro=1):
                                world_size, sharders.EmbeddingCollectionSharder())
     keyed = overlap_optim.get_optimizers(dmp)
     pipeline = TrainPipelineSparseDist(dmp, keyed, torch.device("cpu"))
+    if torchrec_accumulation:
+        pipeline = GradientAccumulationWrapper(pipeline, keyed, dmp, GradientAccumulationConfig(num_steps=micro))
     start = {n: reference.ec.embeddings[n].weight.detach().clone() for n in ("shared", "own")}
     diffs = []
-    local = iter([parts[rank] for step in batches for parts in step])
+    extra = [_shared_batches(micro * steps, world_size)[rank]] if cut_short else []
+    local = iter([parts[rank] for step in batches for parts in step] + extra)
     for step in range(steps):
         for m in range(micro):
-            with overlap_optim.no_step(dmp) if m < micro - 1 else contextlib.nullcontext():
+            held = m < micro - 1 and not torchrec_accumulation
+            with overlap_optim.no_step(dmp) if held else contextlib.nullcontext():
                 pipeline.progress(local)
             reference(_global_batch(batches[step][m]))[0].backward()
         if clip:
@@ -170,7 +181,17 @@ def shared_table_in_pipeline(rank, world_size, steps=3, clip=False, micro=1):
         diffs[-1] = max(diffs[-1], *((state[f"head.{n}"] - p).abs().max().item()
                                      for n, p in reference.head.named_parameters()))
     moved = {n: (reference.ec.embeddings[n].weight.detach() - start[n]).abs().max().item() for n in start}
-    return {"diffs": diffs, "moved": moved}
+    if not cut_short:
+        return {"diffs": diffs, "moved": moved}
+    pipeline.progress(local)  # the extra micro-batch: a window opens
+    try:
+        pipeline.progress(local)  # the data has ended: the wrapper flushes
+        flush = "no error"
+    except StopIteration:
+        flush = "StopIteration"
+    except RuntimeError as err:
+        flush = str(err)
+    return {"diffs": diffs, "moved": moved, "flush": flush}
 
 
 class _SharedModel(torch.nn.Module):
