@@ -142,7 +142,8 @@ class Config:
     # "torch_save" (into fresh objects), "other_plan" (overlap_optim.checkpoint), "one_rank" (the same,
     # loaded into the model sharded for one rank, which trains on with the global batch); plain DCP:
     # "dcp" (fresh state dicts filled, then loaded), "dcp_other_plan" (dcp.load of the objects
-    # themselves, under another plan), both with torch's default load planner;
+    # themselves, under another plan), both with torch's default load planner (ours where the optimizer
+    # keeps no tensor: torch's cannot read it when a table has no piece on a rank);
     # "state_dict_other_plan" (load_state_dict of the state dict
     # held in memory, under another plan)
     checkpoint: str | None = None
@@ -684,16 +685,19 @@ def _checkpoint(ours: Ours, config: Config, weights: dict[str, torch.Tensor], de
         fresh = Ours(config, _scrambled(weights), _scrambled_dense(dense), bound, other_plan=other).shard()
         from overlap_optim import checkpoint
 
-        planner = checkpoint.LoadPlanner()  # pieces held by the other rank kept; dtypes kept
+        # torch's default planner, as users write it; but where the optimizer keeps no tensor (SGD without
+        # momentum, only the user's optimizer) and a table has no piece on a rank, torch's own planner cannot
+        # read a nested entry without tensors (docs/checkpoints.md): ours, which keeps ShardedTensors whole
+        planner = None if _holds_tensors(saved["state"]) else checkpoint.LoadPlanner()
         if config.checkpoint == "dcp":  # torch's recipe: fill fresh state dicts in place, then load them
             state = {"model": fresh.dmp.state_dict(), "optim": fresh.keyed.state_dict()}
-            dcp.load(state, checkpoint_id=path)  # torch's default planner, as users write it
+            dcp.load(state, checkpoint_id=path, planner=planner)
             fresh.dmp.load_state_dict(state["model"])
             fresh.keyed.load_state_dict(state["optim"])
         elif config.checkpoint == "dcp_other_plan":  # the objects themselves: DCP calls load_state_dict
-            dcp.load({"model": fresh.dmp, "optim": fresh.keyed}, checkpoint_id=path)  # torch's default planner
+            dcp.load({"model": fresh.dmp, "optim": fresh.keyed}, checkpoint_id=path, planner=planner)
         else:  # "state_dict_other_plan": the weights through DCP, the optimizer's state dict from memory
-            dcp.load({"model": fresh.dmp}, checkpoint_id=path, planner=planner)
+            dcp.load({"model": fresh.dmp}, checkpoint_id=path, planner=checkpoint.LoadPlanner())
             fresh.keyed.load_state_dict(saved)
     for scheduler, state in zip(fresh.schedulers, scheduler_state):
         scheduler.load_state_dict(state)
@@ -701,6 +705,10 @@ def _checkpoint(ours: Ours, config: Config, weights: dict[str, torch.Tensor], de
     # another plan changes: nothing of it to carry over.
     assert ours.user is None or not ours.user.state
     return fresh
+
+
+def _holds_tensors(state: dict[str, Any]) -> bool:
+    return any(isinstance(v, torch.Tensor) or hasattr(v, "local_shards") for s in state.values() for v in s.values())
 
 
 def _scrambled(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
