@@ -34,7 +34,7 @@ __all__ = [
     "model_being_sharded", "divide_only_row_split_means", "uses_index_dedup", "data_parallel_wrapper",
     "reservation_percentage", "record_reservation", "replace_enumerator", "optimizer_classes_hidden",
     "annotations_read_as", "comm_hook_left_to_us", "recast_kernel", "replace_lookup", "run_first_on_load",
-    "sharding_inside_managed_collision",
+    "sharding_inside_managed_collision", "semi_sync_pipeline", "stashes_gradients", "pipeline_model", "compiling_pipeline",
 ]
 
 # The name under which DistributedModelParallel registers the module it wraps.
@@ -214,19 +214,58 @@ def merge_variable_batches_by_rank(sharded: nn.Module) -> None:
         lookup.forward = forward
 
 
+def _running(codes: set[Any]) -> Any:
+    """The innermost frame on this thread's stack that runs one of the code objects ``codes``, or None."""
+    frame = inspect.currentframe()
+    while frame is not None and frame.f_code not in codes:
+        frame = frame.f_back
+    return frame
+
+
+def _train_pipeline(name: str) -> type:
+    from torchrec.distributed.train_pipeline import train_pipelines
+
+    return getattr(train_pipelines, name)
+
+
+def semi_sync_pipeline() -> Any:
+    """The ``TrainPipelineSemiSync`` whose ``progress`` runs on this thread, or None. Private: the
+    frames of ``TrainPipelineSemiSync.progress`` and ``.fill_pipeline`` (its ``self``)."""
+    cls = _train_pipeline("TrainPipelineSemiSync")
+    frame = _running({cls.fill_pipeline.__code__, inspect.unwrap(cls.progress).__code__})
+    return None if frame is None else frame.f_locals["self"]
+
+
+def stashes_gradients(pipeline: Any) -> bool:
+    """Whether a ``TrainPipelineSemiSync`` steps its optimizer on the previous batch's gradients.
+    Private: ``TrainPipelineSemiSync._stash_gradients``."""
+    return bool(pipeline._stash_gradients)
+
+
+_COMPILING_PIPELINES = ("TrainPipelinePT2", "TrainPipelineSparseDistCompAutograd")
+
+
+def compiling_pipeline() -> str | None:
+    """The name of TorchRec's train pipeline that compiles the model (``TrainPipelinePT2``: Dynamo;
+    ``TrainPipelineSparseDistCompAutograd``: compiled autograd) whose ``progress`` runs on this thread,
+    or None. Private: those classes' ``progress`` frames."""
+    codes = {inspect.unwrap(_train_pipeline(n).progress).__code__: n for n in _COMPILING_PIPELINES}
+    frame = _running(set(codes))
+    return None if frame is None else codes[frame.f_code]
+
+
+def pipeline_model(pipeline: Any) -> nn.Module:
+    """The model a TorchRec train pipeline trains. Private: ``TrainPipeline._model``."""
+    return pipeline._model
+
+
 def sharding_inside_managed_collision() -> bool:
     """Whether TorchRec's sharded managed-collision collection is being built on this thread: it
     hands its inner collection to the collection sharder it was given. Private: the frame of
     ``BaseShardedManagedCollisionEmbeddingCollection.__init__`` on the stack."""
     from torchrec.distributed.mc_embedding_modules import BaseShardedManagedCollisionEmbeddingCollection
 
-    code = BaseShardedManagedCollisionEmbeddingCollection.__init__.__code__
-    frame = inspect.currentframe()
-    while frame is not None:
-        if frame.f_code is code:
-            return True
-        frame = frame.f_back
-    return False
+    return _running({BaseShardedManagedCollisionEmbeddingCollection.__init__.__code__}) is not None
 
 
 def uses_index_dedup(sharder: Any) -> bool:
@@ -491,6 +530,16 @@ def _probe_comm_hook_left_to_us() -> object:
     return comm_hook_left_to_us
 
 
+def _probe_semi_sync() -> object:
+    TrainPipelineSemiSync = _train_pipeline("TrainPipelineSemiSync")  # noqa: N806
+    for method in (TrainPipelineSemiSync.fill_pipeline, inspect.unwrap(TrainPipelineSemiSync.progress)):
+        if method.__code__.co_varnames[:1] != ("self",):
+            raise AttributeError(f"TrainPipelineSemiSync.{method.__name__} no longer takes self first")
+    _set_by(TrainPipelineSemiSync, "_stash_gradients")
+    _set_by(_train_pipeline("TrainPipelineSparseDist"), "_model")
+    return semi_sync_pipeline
+
+
 def _probe_run_first_on_load() -> object:
     seen = []
     module = nn.Linear(1, 1)
@@ -534,6 +583,9 @@ PRIVATE_APIS: dict[str, Callable[[], object]] = {
     "EmbeddingBagCollectionContext.divisor (set by ShardedEmbeddingBagCollection.input_dist)": lambda: _mentions(
         "torchrec.distributed.embeddingbag", "ctx.divisor = _create_mean_pooling_divisor("),
     "DistributedModelParallel._init_dmp(self, module)": lambda: _takes(DistributedModelParallel._init_dmp, "module"),
+    "TrainPipelineSemiSync.progress, .fill_pipeline (self), ._stash_gradients, ._model": _probe_semi_sync,
+    "TrainPipelinePT2.progress, TrainPipelineSparseDistCompAutograd.progress": lambda: [
+        inspect.unwrap(_train_pipeline(n).progress) for n in _COMPILING_PIPELINES],
     "BaseShardedManagedCollisionEmbeddingCollection.__init__ hands _embedding_module to the collection's sharder": (
         lambda: _mentions("torchrec.distributed.mc_embedding_modules", "e_sharder.shard(")
     ),

@@ -32,6 +32,7 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from overlap_optim.accumulation import module_accumulating
+from overlap_optim.record import group_of
 from sharders import _private
 from sharders.fallback import FallbackTable
 from sharders.fbgemm import FusedTable
@@ -64,6 +65,8 @@ def install_settings_check(
         _check_row_split_batches(sharded, tables)
 
     def check(_lookup: Any, inputs: Any) -> None:
+        _check_compiling_pipeline()
+        _check_semi_sync(kernels, clips)
         for kernel in kernels:
             kernel.check_live()
         if inputs and isinstance(inputs[0], KeyedJaggedTensor) and inputs[0].variable_stride_per_key():
@@ -72,6 +75,52 @@ def install_settings_check(
             clip.check_members()
 
     lookups[0].register_forward_pre_hook(check)
+
+
+def _check_compiling_pipeline() -> None:
+    """Refuse TorchRec's compiling pipelines at their first step, before the model is compiled (they
+    run it eagerly first): Dynamo and compiled autograd cannot trace the in-backward steps (the
+    gradient hooks, the end-of-backward rounds, the live checks)."""
+    name = _private.compiling_pipeline()
+    if name is not None:
+        raise NotImplementedError(
+            f"TorchRec's {name} compiles the model (torch.compile or compiled autograd), and overlap-optim's "
+            "in-backward updates (gradient hooks, end-of-backward rounds, clipping, these checks) do not trace "
+            "under Dynamo: it would crash inside the compiler part-way through a step. Train with "
+            "TrainPipelineSparseDist or TrainPipelineBase"
+        )
+
+
+def _check_semi_sync(kernels: list[TableKernel], clips: list[Any]) -> None:
+    """Under TorchRec's ``TrainPipelineSemiSync`` (every rank runs it, and reaches this lookup before
+    any backward of the step): refuse what it cannot run exactly. It runs the dense backward and each
+    sharded module's embedding backward as separate backward passes, and a clipping set closes its
+    norm at the end of each; with ``stash_gradients=True`` it steps the dense optimizer on the
+    previous batch's gradients, where an annotated dense parameter steps in backward on this one."""
+    pipeline = _private.semi_sync_pipeline()
+    if pipeline is None:
+        return
+    mine = {k.table for k in kernels}
+    for clip in clips:
+        others = sorted(set(clip.tables) - mine)
+        if clip.params or others:
+            beyond = f"{len(clip.params)} dense parameter(s)" if clip.params else f"the tables {others}"
+            raise NotImplementedError(
+                f"TrainPipelineSemiSync with a clipping set over the tables {sorted(set(clip.tables) & mine)} and "
+                f"{beyond}: SemiSync runs the dense backward and each sharded module's embedding backward as "
+                "separate backward passes, so each would be clipped by a norm of its own, not the global one. "
+                "Clip each module's tables and the dense part in separate sets, or train with "
+                "TrainPipelineSparseDist"
+            )
+    if _private.stashes_gradients(pipeline):
+        annotated = sorted(n for n, p in _private.pipeline_model(pipeline).named_parameters() if group_of(p) is not None)
+        if annotated:
+            raise NotImplementedError(
+                f"TrainPipelineSemiSync(stash_gradients=True) with in-backward optimizers on {annotated}: it steps "
+                "the dense optimizer on the previous batch's gradients, and these step during backward on this "
+                "batch's, so it would train as without stash. Use stash_gradients=False, or leave the dense part "
+                "to an optimizer of your own"
+            )
 
 
 def _check_row_split_batches(sharded: nn.Module, tables: dict[str, TableKernel]) -> None:

@@ -169,6 +169,45 @@ REFUSALS: tuple[Refusal, ...] = (
         r"a table of each of the modules",
     ),
     Refusal(
+        "semi_sync_clipping",
+        "TorchRec's TrainPipelineSemiSync with a gradient clipping set over a module's tables and the dense part "
+        "(or the tables of two modules)",
+        "first step",
+        "SemiSync runs the dense backward and each module's embedding backward as separate backward passes; a "
+        "set's norm closes at the end of each, so each part would be clipped by a norm of its own",
+        "separate clipping sets per module and for the dense part, or TrainPipelineSparseDist",
+        r"TrainPipelineSemiSync with a clipping set over the tables",
+        sampled=False,
+    ),
+    Refusal(
+        "semi_sync_stash",
+        "TorchRec's TrainPipelineSemiSync(stash_gradients=True) with annotated dense parameters",
+        "first step",
+        "stash steps the dense optimizer on the previous batch's gradients; in-backward optimizers step on this "
+        "batch's during backward",
+        "stash_gradients=False, or your own optimizer for the dense part",
+        r"TrainPipelineSemiSync\(stash_gradients=True\) with in-backward optimizers",
+        sampled=False,
+    ),
+    Refusal(
+        "compiling_pipeline",
+        "TorchRec's TrainPipelinePT2 and TrainPipelineSparseDistCompAutograd",
+        "first step",
+        "they compile the model (Dynamo, compiled autograd), which cannot trace the in-backward updates",
+        "TrainPipelineSparseDist or TrainPipelineBase",
+        r"compiles the model \(torch.compile or compiled autograd\)",
+        sampled=False,
+    ),
+    Refusal(
+        "accumulation_flush",
+        "TorchRec's GradientAccumulationWrapper when the data ends inside a window (its flush)",
+        "the flush",
+        "nothing steps a window's held micro-batches but the backward of its last one",
+        "a number of micro-batches that is a multiple of num_steps, or is_last_batch=True on the last",
+        r"GradientAccumulationWrapper stepped the optimizer",
+        sampled=False,
+    ),
+    Refusal(
         "managed_collision",
         "a managed-collision collection (ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection) "
         "in a model that our planner plans, our sharders shard (its inner collection too, handed over by TorchRec's "

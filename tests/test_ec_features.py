@@ -112,8 +112,11 @@ def test_a_table_shared_by_two_features_trains_exactly_through_the_pipeline(two,
 def test_torchrecs_accumulation_flush_of_an_unfinished_window_is_refused_on_every_rank(two, case):
     """The data ends one micro-batch into a window of 3: TorchRec's wrapper steps the optimizer to flush
     it, which nothing of ours can do without a backward; refused by name instead of a silent drop."""
+    from sharders.refusals import refusal
+
     for run in two[case]:
         assert run["flush"].startswith("TorchRec's GradientAccumulationWrapper stepped the optimizer"), run["flush"]
+        assert refusal("accumulation_flush").matches(run["flush"])
 
 
 @pytest.mark.parametrize("case", ["combined/row_wise", "meta/table_wise"])
