@@ -61,6 +61,7 @@ __all__ = [
     "DMP_WRAPPED",
     "called_from_torch_state_dict_api",
     "torchrec_holds_step",
+    "compiling_pipeline",
     "Shard",
     "ShardedTensor",
     "ShardedTensorMetadata",
@@ -412,6 +413,37 @@ def muon_adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> 
     return _muon._adjust_lr(lr, adjust_lr_fn, shape)
 
 
+# -- TorchRec's compiling train pipelines --
+
+_COMPILING_PIPELINES = ("TrainPipelinePT2", "TrainPipelineSparseDistCompAutograd")
+
+
+def compiling_pipeline() -> str | None:
+    """The name of TorchRec's train pipeline that compiles the model (``TrainPipelinePT2``: Dynamo;
+    ``TrainPipelineSparseDistCompAutograd``: compiled autograd) whose ``progress`` runs on this
+    thread, or None. Private: those classes' ``progress`` frames."""
+    import inspect
+
+    from torchrec.distributed.train_pipeline import train_pipelines
+
+    codes = {inspect.unwrap(getattr(train_pipelines, n).progress).__code__: n for n in _COMPILING_PIPELINES}
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code not in codes:
+        frame = frame.f_back
+    return None if frame is None else codes[frame.f_code]
+
+
+def _probe_compiling_pipeline() -> object:
+    import inspect
+
+    from torchrec.distributed.train_pipeline import train_pipelines
+
+    for name in _COMPILING_PIPELINES:
+        if "_optimizer" not in inspect.unwrap(getattr(train_pipelines, name).progress).__code__.co_names:
+            raise AttributeError(f"{name}.progress no longer calls its optimizer")
+    return compiling_pipeline
+
+
 # -- TorchRec's gradient accumulation wrapper (train_pipeline.GradientAccumulationWrapper) --
 
 
@@ -546,6 +578,7 @@ PRIVATE_APIS: dict[str, Callable[[], object]] = {
     "torch.optim._muon._adjust_lr": lambda: _muon._adjust_lr,
     "torchrec.optim.keyed.KeyedOptimizer.defaults['_save_param_groups']": _probe_save_param_groups,
     "torchrec.distributed.model_parallel.DistributedModelParallel._dmp_wrapped_module": _probe_dmp_wrapped,
+    "torchrec TrainPipelinePT2.progress, TrainPipelineSparseDistCompAutograd.progress": _probe_compiling_pipeline,
     "torchrec GradientAccumulationWrapper.progress(self, is_last_batch), ._config.is_enabled, "
     "._optimizer_wrapper._optimizer, ._should_step()": _probe_torchrec_holds_step,
     "torch.distributed.checkpoint.state_dict._init_optim_state, _get_optim_state_dict, _load_optim_state_dict": (

@@ -38,7 +38,7 @@ from overlap_optim.update import (
 
 __all__ = [
     "get_optimizers", "unoptimized_parameters", "InBackwardOptimizer", "unwrapped_parameters", "unwrapped_name",
-    "ddp_prefixes", "unwrapped_path",
+    "ddp_prefixes", "unwrapped_path", "refuse_compiling_pipeline",
 ]
 
 # The group entry naming the optimizer class; it is metadata, not a hyperparameter.
@@ -136,7 +136,13 @@ class InBackwardOptimizer(KeyedOptimizer):
             return closure()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to do: backward releases each annotated gradient after its update."""
+        """Nothing to do: backward releases each annotated gradient after its update.
+
+        Raises:
+            NotImplementedError: called by TorchRec's compiling train pipelines (see
+                :func:`refuse_compiling_pipeline`), before their first forward.
+        """
+        refuse_compiling_pipeline()
 
     def _refuse_mid_window(self, what: str) -> None:
         if self._tracker is not None and self._tracker.window.pending:
@@ -405,6 +411,21 @@ class InBackwardOptimizer(KeyedOptimizer):
                 )
             pairs.append((group, saved))
         return pairs
+
+
+def refuse_compiling_pipeline() -> None:
+    """Raise ``NotImplementedError`` inside TorchRec's train pipelines that compile the model
+    (``TrainPipelinePT2``, ``TrainPipelineSparseDistCompAutograd``): Dynamo and compiled autograd cannot
+    trace the in-backward updates. They call the optimizer's ``zero_grad`` before their first forward,
+    which is where the keyed optimizer refuses them, on every rank, before anything is trained."""
+    name = _private.compiling_pipeline()
+    if name is not None:
+        raise NotImplementedError(
+            f"TorchRec's {name} compiles the model (torch.compile or compiled autograd), and overlap-optim's "
+            "in-backward updates (gradient hooks, end-of-backward rounds, clipping, live checks) do not trace "
+            "under Dynamo: it would crash inside the compiler part-way through a step. Train with "
+            "TrainPipelineSparseDist or TrainPipelineBase"
+        )
 
 
 def _scale_of(grad_scaler: Any) -> str:

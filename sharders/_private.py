@@ -34,7 +34,7 @@ __all__ = [
     "model_being_sharded", "divide_only_row_split_means", "uses_index_dedup", "data_parallel_wrapper",
     "reservation_percentage", "record_reservation", "replace_enumerator", "optimizer_classes_hidden",
     "annotations_read_as", "comm_hook_left_to_us", "recast_kernel", "replace_lookup", "run_first_on_load",
-    "sharding_inside_managed_collision", "semi_sync_pipeline", "stashes_gradients", "pipeline_model", "compiling_pipeline",
+    "sharding_inside_managed_collision", "semi_sync_pipeline", "stashes_gradients", "pipeline_model",
 ]
 
 # The name under which DistributedModelParallel registers the module it wraps.
@@ -240,18 +240,6 @@ def stashes_gradients(pipeline: Any) -> bool:
     """Whether a ``TrainPipelineSemiSync`` steps its optimizer on the previous batch's gradients.
     Private: ``TrainPipelineSemiSync._stash_gradients``."""
     return bool(pipeline._stash_gradients)
-
-
-_COMPILING_PIPELINES = ("TrainPipelinePT2", "TrainPipelineSparseDistCompAutograd")
-
-
-def compiling_pipeline() -> str | None:
-    """The name of TorchRec's train pipeline that compiles the model (``TrainPipelinePT2``: Dynamo;
-    ``TrainPipelineSparseDistCompAutograd``: compiled autograd) whose ``progress`` runs on this thread,
-    or None. Private: those classes' ``progress`` frames."""
-    codes = {inspect.unwrap(_train_pipeline(n).progress).__code__: n for n in _COMPILING_PIPELINES}
-    frame = _running(set(codes))
-    return None if frame is None else codes[frame.f_code]
 
 
 def pipeline_model(pipeline: Any) -> nn.Module:
@@ -584,8 +572,6 @@ PRIVATE_APIS: dict[str, Callable[[], object]] = {
         "torchrec.distributed.embeddingbag", "ctx.divisor = _create_mean_pooling_divisor("),
     "DistributedModelParallel._init_dmp(self, module)": lambda: _takes(DistributedModelParallel._init_dmp, "module"),
     "TrainPipelineSemiSync.progress, .fill_pipeline (self), ._stash_gradients, ._model": _probe_semi_sync,
-    "TrainPipelinePT2.progress, TrainPipelineSparseDistCompAutograd.progress": lambda: [
-        inspect.unwrap(_train_pipeline(n).progress) for n in _COMPILING_PIPELINES],
     "BaseShardedManagedCollisionEmbeddingCollection.__init__ hands _embedding_module to the collection's sharder": (
         lambda: _mentions("torchrec.distributed.mc_embedding_modules", "e_sharder.shard(")
     ),

@@ -32,6 +32,7 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from overlap_optim.accumulation import module_accumulating
+from overlap_optim.keyed import refuse_compiling_pipeline
 from overlap_optim.record import group_of
 from sharders import _private
 from sharders.fallback import FallbackTable
@@ -65,7 +66,7 @@ def install_settings_check(
         _check_row_split_batches(sharded, tables)
 
     def check(_lookup: Any, inputs: Any) -> None:
-        _check_compiling_pipeline()
+        refuse_compiling_pipeline()  # where the pipeline's optimizer is not ours (the keyed one refuses first)
         _check_semi_sync(kernels, clips)
         for kernel in kernels:
             kernel.check_live()
@@ -75,20 +76,6 @@ def install_settings_check(
             clip.check_members()
 
     lookups[0].register_forward_pre_hook(check)
-
-
-def _check_compiling_pipeline() -> None:
-    """Refuse TorchRec's compiling pipelines at their first step, before the model is compiled (they
-    run it eagerly first): Dynamo and compiled autograd cannot trace the in-backward steps (the
-    gradient hooks, the end-of-backward rounds, the live checks)."""
-    name = _private.compiling_pipeline()
-    if name is not None:
-        raise NotImplementedError(
-            f"TorchRec's {name} compiles the model (torch.compile or compiled autograd), and overlap-optim's "
-            "in-backward updates (gradient hooks, end-of-backward rounds, clipping, these checks) do not trace "
-            "under Dynamo: it would crash inside the compiler part-way through a step. Train with "
-            "TrainPipelineSparseDist or TrainPipelineBase"
-        )
 
 
 def _check_semi_sync(kernels: list[TableKernel], clips: list[Any]) -> None:
