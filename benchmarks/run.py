@@ -29,8 +29,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when OpenMP starts: 
 import torch  # noqa: E402
 
 from benchmarks import (  # noqa: E402
-    accumulation, clipping, dense_hook, ec_vs_torchrec, fallback, fsdp, layerwise, limit, local_sgd, precision,
-    round_phases,
+    accumulation, clipping, dense_hook, ec_vs_torchrec, fallback, fsdp, layerwise, limit, local_sgd, many_tables,
+    precision, round_phases,
     scaling, sparse_vs_torchrec, virtual_groups,
 )
 
@@ -50,6 +50,7 @@ MODULES = {
     "fsdp": fsdp,
     "round_phases": round_phases,
     "precision": precision,
+    "many_tables": many_tables,
 }
 FULL_COMMAND = ".venv/bin/python -m benchmarks.run --out benchmarks/results --docs docs/benchmarks.md"
 QUICK_COMMAND = ".venv/bin/python -m benchmarks.run --quick --out /tmp/bench"
@@ -335,7 +336,8 @@ def main() -> None:
         started = time.perf_counter()
         log.info("running %s%s ...", name, " (quick)" if args.quick else "")
         run = MODULES[name].run
-        results["benchmarks"][name] = run(args.quick, args.out) if name == "scaling" else run(args.quick)
+        plots = name in ("scaling", "many_tables")
+        results["benchmarks"][name] = run(args.quick, args.out) if plots else run(args.quick)
         results["seconds"][name] = time.perf_counter() - started
         log.info("  done in %.1f s", results["seconds"][name])
     (args.out / "results.json").write_text(json.dumps(results, indent=2))

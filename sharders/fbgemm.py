@@ -226,6 +226,11 @@ class FusedTable(TableKernel):
         return ""
 
 
+# FBGEMM's buffers of optimizer state (``split_optimizer_states`` views them): per state, where it is placed.
+_STATE_BUFFERS = tuple(f"{state}_{where}" for state in ("momentum1", "momentum2", "prev_iter", "row_counter")
+                       for where in ("dev", "host", "uvm"))
+
+
 class _FusedKernel:
     """One fused TBE kernel of ours: its tables, their group, and its step count. Its forward
     pre-hook keeps FBGEMM's settings live; :mod:`sharders.fused_backward` counts its updates."""
@@ -233,6 +238,10 @@ class _FusedKernel:
     def __init__(self, kernel: nn.Module, tables: list[str], group: AnnotationGroup, device_type: str) -> None:
         self.emb, self.tables, self.group, self.device_type = kernel.emb_module, tables, group, device_type
         self.steps = 0
+        self._split: tuple[tuple, list[list[torch.Tensor]]] | None = None  # (the buffers, split_states())
+        # the buffers that hold state (FBGEMM keeps empty ones for the placements it does not use)
+        self._buffer_names = [n for n in _STATE_BUFFERS
+                              if isinstance(getattr(self.emb, n, None), torch.Tensor) and getattr(self.emb, n).numel()]
         kernel.register_forward_pre_hook(lambda _kernel, _inputs: self.sync_live_settings())
 
     def sync_live_settings(self) -> None:
@@ -246,6 +255,16 @@ class _FusedKernel:
     def count(self) -> None:
         """FBGEMM ran one update of the kernel's tables."""
         self.steps += 1
+
+    def split_states(self) -> list[list[torch.Tensor]]:
+        """FBGEMM's ``split_optimizer_states()``: each table's state, as views of the kernel's buffers.
+        Split once for each set of buffers, not once per table (each split views every table of the
+        kernel: asked per table, a state dict was quadratic in the kernel's tables). A load writes the
+        buffers in place, which the views see; buffers replaced are split again."""
+        buffers = tuple((id(t), t.data_ptr()) for t in (getattr(self.emb, n) for n in self._buffer_names))
+        if self._split is None or self._split[0] != buffers:
+            self._split = (buffers, self.emb.split_optimizer_states())
+        return self._split[1]
 
 
 class FusedShardState:
@@ -262,7 +281,7 @@ class FusedShardState:
     def row_state(self) -> dict[str, torch.Tensor]:
         if not self._layout:  # EXACT_SGD keeps none
             return {}
-        states = self._kernel.emb.split_optimizer_states()[self._index]
+        states = self._kernel.split_states()[self._index]
         return {name: (t.view(-1, 1) if layout == "row" else t) for (name, layout), t in zip(self._layout.items(), states)}
 
     @property

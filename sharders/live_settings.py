@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -65,17 +66,43 @@ def install_settings_check(
     if process_group is not None and dist.get_backend(process_group) == "gloo":
         _check_row_split_batches(sharded, tables)
 
+    live = _LiveChecks(kernels)
+
     def check(_lookup: Any, inputs: Any) -> None:
         refuse_compiling_pipeline()  # where the pipeline's optimizer is not ours (the keyed one refuses first)
         _check_semi_sync(kernels, clips)
-        for kernel in kernels:
-            kernel.check_live()
+        live.run()
         if inputs and isinstance(inputs[0], KeyedJaggedTensor) and inputs[0].variable_stride_per_key():
             _check_variable_batch(kernels, module_accumulating(sharded), process_group)
         for clip in clips:  # before any update of the step: a refused set leaves every weight as it was
             clip.check_members()
 
     lookups[0].register_forward_pre_hook(check)
+
+
+class _LiveChecks:
+    """Every kernel's :meth:`~sharders.kernels.TableKernel.check_live`, at a cost flat in the tables:
+    the kernels of one kind and one annotation group read the same settings, so one of them checks
+    for all, and only when the group's settings differ from those it last passed with."""
+
+    def __init__(self, kernels: list[TableKernel]) -> None:
+        self.groupless = [k for k in kernels if k.group is None]  # what they check is their own (frozen)
+        self.by_group = {(type(k), id(k.group)): k for k in reversed(kernels) if k.group is not None}
+        self.passed: dict[tuple[type, int], tuple] = {}
+
+    def run(self) -> None:
+        for kernel in self.groupless:
+            kernel.check_live()
+        for key, kernel in self.by_group.items():
+            now = _settings(kernel.group.param_group)
+            if self.passed.get(key) != now:
+                kernel.check_live()  # raises, naming the table, with nothing changed
+                self.passed[key] = now
+
+
+def _settings(param_group: dict[str, Any]) -> tuple:
+    """A param group's settings as plain values (a tensor setting by its values)."""
+    return tuple((k, v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in param_group.items() if k != "params")
 
 
 def _check_semi_sync(kernels: list[TableKernel], clips: list[Any]) -> None:

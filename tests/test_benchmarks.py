@@ -62,6 +62,11 @@ def test_quick_benchmarks_write_report_and_json(tmp_path):
     scaling = results["benchmarks"]["scaling"]
     assert all(len(v) == 3 for v in scaling["by_rows_s"].values()) and all(len(v) == 3 for v in scaling["by_batch_s"].values())
     assert (tmp_path / "scaling.png").stat().st_size > 10_000
+    many = results["benchmarks"]["many_tables"]
+    assert set(many["by_config"]) == {"T=4,S=1", "T=4,S=4", "T=16,S=1", "T=16,S=4"}
+    assert all(set(peers) == {"ours", "torchrec"} and all(v > 0 for p in peers.values() for v in p.values())
+               for peers in many["by_config"].values())
+    assert (tmp_path / "many_tables.png").stat().st_size > 10_000
     report = (tmp_path / "report.md").read_text()
     assert "dense / fallback" in report and "quick smoke mode" in report
     assert "| all-reduces per step | SETTLE | CLIP | STATISTICS |" in report
