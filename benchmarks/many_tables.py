@@ -81,7 +81,7 @@ def _build(peer: str, tables: int, settings: int, world_size: int) -> tuple[dict
     import sharders
 
     model = _Model(tables)
-    annotate_s = _annotate(model, peer, settings)
+    annotate_s = _annotate(model, peer, min(settings, tables))  # T = 8, S = 32: each table a setting of its own
     started = time.perf_counter()
     constraints = {f"t{i}": ParameterConstraints(sharding_types=["table_wise"]) for i in range(tables)}
     topology = Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size)

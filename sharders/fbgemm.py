@@ -239,9 +239,10 @@ class _FusedKernel:
         self.emb, self.tables, self.group, self.device_type = kernel.emb_module, tables, group, device_type
         self.steps = 0
         self._split: tuple[tuple, list[list[torch.Tensor]]] | None = None  # (the buffers, split_states())
-        # the buffers that hold state (FBGEMM keeps empty ones for the placements it does not use)
-        self._buffer_names = [n for n in _STATE_BUFFERS
-                              if isinstance(getattr(self.emb, n, None), torch.Tensor) and getattr(self.emb, n).numel()]
+        # the buffers that hold state: FBGEMM keeps stand-ins of 0 or 1 element for the placements and
+        # states it does not use (momentum1, every optimizer's first, is kept whatever its size)
+        self._buffer_names = [n for n in _STATE_BUFFERS if isinstance(getattr(self.emb, n, None), torch.Tensor)
+                              and (n.startswith("momentum1") or getattr(self.emb, n).numel() > 1)]
         kernel.register_forward_pre_hook(lambda _kernel, _inputs: self.sync_live_settings())
 
     def sync_live_settings(self) -> None:

@@ -65,6 +65,8 @@ class ShardedTables:
     ) -> None:
         """``tables_attr``: where the sharded module keeps its tables (``embeddings`` for an EC)."""
         self.process_group, self.tables_attr = process_group, tables_attr
+        # (table, state name) -> (its local tensors, the ShardedTensor over them): made again only for other tensors
+        self._made: dict[tuple[str, str], tuple[tuple, Any]] = {}
         self.weights = {name: w for name, w in weights.items() if kernels[name].sharded_state}
         self.tables: dict[str, _Table] = {}
         for name, weight in self.weights.items():
@@ -211,6 +213,16 @@ class ShardedTables:
         return _private.ShardMetadata(list(layout(row, col, zero=0)), list(layout(rows, cols, zero=1)), shard.placement)
 
     def _sharded(self, table: _Table, name: str) -> Any:
+        """The state entry ``name`` of ``table`` as a ``ShardedTensor`` of the whole table's shape over
+        this rank's state tensors, by reference; the same object while they are the same tensors."""
+        tensors = [piece.state.row_state[name] for piece in table.pieces]
+        key = tuple((id(t), t.data_ptr(), tuple(t.shape)) for t in tensors)
+        made = self._made.get((table.name, name))
+        if made is None or made[0] != key:
+            made = self._made[(table.name, name)] = (key, self._make_sharded(table, name, tensors))
+        return made[1]
+
+    def _make_sharded(self, table: _Table, name: str, tensors: list[torch.Tensor]) -> Any:
         metadata = _private.ShardedTensorMetadata(
             shards_metadata=[self._state_metadata(table, name, s) for s in table.shards],
             size=torch.Size(self._global_shape(table, name)),
@@ -218,10 +230,8 @@ class ShardedTables:
             tensor_properties=_private.TensorProperties(
                 dtype=getattr(table.group, "state_dtype", None) or math_dtype(table.dtype)),
         )
-        local = [
-            _private.Shard(piece.state.row_state[name], self._state_metadata(table, name, piece.metadata))
-            for piece in table.pieces
-        ]
+        local = [_private.Shard(tensor, self._state_metadata(table, name, piece.metadata))
+                 for tensor, piece in zip(tensors, table.pieces)]
         return _private.sharded_tensor_from_local_shards(local, metadata, self.process_group)
 
     def _slice(self, value: Any, table: _Table, name: str, piece: LocalShard) -> torch.Tensor:
