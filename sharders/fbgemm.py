@@ -274,6 +274,7 @@ class FusedShardState:
     exists: there is no placeholder to make or drop."""
 
     placeholder_state = False
+    views_kept_buffers = True  # its state is views of FBGEMM's buffers, kept for the kernel's life
 
     def __init__(self, kernel: _FusedKernel, index: int, layout: dict[str, str]) -> None:
         self._kernel, self._index, self._layout = kernel, index, layout

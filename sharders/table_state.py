@@ -214,8 +214,11 @@ class ShardedTables:
 
     def _sharded(self, table: _Table, name: str) -> Any:
         """The state entry ``name`` of ``table`` as a ``ShardedTensor`` of the whole table's shape over
-        this rank's state tensors, by reference; the same object while they are the same tensors."""
+        this rank's state tensors, by reference; for a kind whose state is views of buffers it keeps
+        for good (``views_kept_buffers``: fused tables), the same object while they are the same."""
         tensors = [piece.state.row_state[name] for piece in table.pieces]
+        if not all(getattr(piece.state, "views_kept_buffers", False) for piece in table.pieces):
+            return self._make_sharded(table, name, tensors)  # kept, it would hold tensors a step may replace
         key = tuple((id(t), t.data_ptr(), tuple(t.shape)) for t in tensors)
         made = self._made.get((table.name, name))
         if made is None or made[0] != key:
