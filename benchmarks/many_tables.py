@@ -31,7 +31,7 @@ from benchmarks._timing import on_ranks, own_peak_rss_kib, peak_rss_kib, time_pe
 
 PEERS = ("ours", "torchrec")
 BATCH = 256
-TARGETS = {"step": 0.90, "build": 1.2, "annotate": 5.0, "state_dict": 10.0}
+TARGETS = {"step": 0.90, "build": 1.2, "annotate": 5.0}  # and state_dict(): 10x stock's, or under 50 ms
 
 
 def _sweep(quick: bool) -> list[tuple[int, int]]:
@@ -152,13 +152,7 @@ def run(quick: bool, out: Path | None = None) -> dict:
     largest = max(t for t, _ in _sweep(quick))
     most = max(s for _, s in _sweep(quick))
     memory = peak_rss_kib(_peak, list(PEERS), largest, most, quick=quick, timeout=3600)
-    ratios = {}
-    for config, peers in by_config.items():
-        for what, key in (("step", "step_s"), ("build", "build_s"), ("annotate", "annotate_per_call_s"),
-                          ("state_dict", "state_dict_s")):
-            ratios[f"{config}: {what}, ours / torchrec (target <= {TARGETS[what]})"] = (
-                peers["ours"][key] / peers["torchrec"][key])
-    ratios[f"T={largest},S={most}: peak RSS, ours / torchrec"] = memory["ours"] / memory["torchrec"]
+    ratios = ratios_of(by_config, memory, f"T={largest},S={most}")
     plots = _plot(by_config, out) if out is not None else []
     return {
         "setup": {"tables": sorted({t for t, _ in _sweep(quick)}), "settings": sorted({s for _, s in _sweep(quick)}),
@@ -168,6 +162,26 @@ def run(quick: bool, out: Path | None = None) -> dict:
         "ratios": ratios,
         "plots": plots,
     }
+
+
+def ratios_of(by_config: dict, memory: dict, largest: str) -> dict[str, float]:
+    """The ratios against stock TorchRec, and state_dict() against 50 ms (the target is met when either
+    that or the ratio's 10x is), for the most settings at the smallest, the issue's (256) and the largest
+    T (every configuration is in ``by_config`` and the plot)."""
+    ratios = {}
+    most = max(int(c.split("S=")[1]) for c in by_config)
+    sizes = sorted(int(c.split(",")[0][2:]) for c in by_config if c.endswith(f"S={most}"))
+    shown = {f"T={t},S={most}" for t in (sizes[0], 256, sizes[-1])}
+    for config, peers in by_config.items():
+        if config not in shown:
+            continue
+        for what, key in (("step", "step_s"), ("build", "build_s"), ("annotate", "annotate_per_call_s")):
+            ratios[f"{config}: {what}, ours / torchrec (target <= {TARGETS[what]})"] = (
+                peers["ours"][key] / peers["torchrec"][key])
+        ratios[f"{config}: state_dict, ours / torchrec"] = peers["ours"]["state_dict_s"] / peers["torchrec"]["state_dict_s"]
+        ratios[f"{config}: state_dict, ours / 50 ms (target <= 1)"] = peers["ours"]["state_dict_s"] / 0.05
+    ratios[f"{largest}: peak RSS, ours / torchrec"] = memory["ours"] / memory["torchrec"]
+    return ratios
 
 
 def _plot(by_config: dict, out: Path) -> list[str]:
