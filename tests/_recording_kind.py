@@ -78,13 +78,10 @@ def recording_decisions(table: str = "recorded") -> Iterator[None]:
 NAMES = ["recorded", "trained"]
 
 
-def recorded_and_unchanged(rank: int, world_size: int, sharding_type: str, steps: int = 3) -> dict:
-    """Shard a model with a ``recorded`` table (no annotation) and a ``trained`` one (SGD,
-    fused) under DMP, train ``steps`` steps on this rank's own batches, and return what the test
-    asserts: the ids each rank sent and recorded for ``f_recorded``, how far each table moved,
-    the kinds, and the describe() rows of the recorded table."""
+def _sharded(world_size: int, sharding_type: str, cls: type, kwargs: dict) -> DistributedModelParallel:
+    """The model with its ``recorded`` table (no annotation) and its ``trained`` one (``cls``), under DMP."""
     model = ManyTableModel(NAMES, seed=0)
-    overlap_optim.apply_optimizer_in_backward(torch.optim.SGD, model.tables["trained"].parameters(), {"lr": 0.5})
+    overlap_optim.apply_optimizer_in_backward(cls, model.tables["trained"].parameters(), kwargs)
     sharder = sharders.EmbeddingBagCollectionSharder()
     constraints = {n: ParameterConstraints(sharding_types=[sharding_type], min_partition=4) for n in NAMES}
     planner = EmbeddingShardingPlanner(
@@ -93,7 +90,15 @@ def recorded_and_unchanged(rank: int, world_size: int, sharding_type: str, steps
     )
     with recording_decisions():
         plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
-        dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+        return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+
+
+def recorded_and_unchanged(rank: int, world_size: int, sharding_type: str, steps: int = 3) -> dict:
+    """Shard a model with a ``recorded`` table (no annotation) and a ``trained`` one (SGD,
+    fused) under DMP, train ``steps`` steps on this rank's own batches, and return what the test
+    asserts: the ids each rank sent and recorded for ``f_recorded``, how far each table moved,
+    the kinds, and the describe() rows of the recorded table."""
+    dmp = _sharded(world_size, sharding_type, torch.optim.SGD, {"lr": 0.5})
     start = {n: [p.clone() for _, _, p in local_pieces(dmp, n)] for n in NAMES}
     sent = []
     for step in range(steps):
@@ -119,17 +124,7 @@ def variable_batch_beside_the_fallback(rank: int, world_size: int) -> dict:
     variable batch size per feature (VBE): the error each rank raises at that batch's lookup."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    model = ManyTableModel(NAMES, seed=0)
-    overlap_optim.apply_optimizer_in_backward(torch.optim.Adam, model.tables["trained"].parameters(), {"lr": 0.1})
-    sharder = sharders.EmbeddingBagCollectionSharder()
-    constraints = {n: ParameterConstraints(sharding_types=["table_wise"]) for n in NAMES}
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
-        constraints=constraints,
-    )
-    with recording_decisions():
-        plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
-        dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    dmp = _sharded(world_size, "table_wise", torch.optim.Adam, {"lr": 0.1})
     counts = (2, 3)  # bags of f_recorded, f_trained on this rank
     kjt = KeyedJaggedTensor(
         keys=["f_recorded", "f_trained"], values=torch.arange(7) % 4, lengths=torch.tensor([1, 2, 1, 2, 1]),
