@@ -132,6 +132,13 @@ class StepTracker:
         of its keyed optimizers, a micro-batch after which the wrapper does not step runs in the model's
         window, as inside :func:`no_step`; the window closes before the micro-batch after which it does."""
         holds = next((h for h in map(_private.torchrec_holds_step, list(self.optimizers)) if h is not None), None)
+        if holds is None and self.deferred is not None and self.window.pending and torch.is_grad_enabled():
+            raise RuntimeError(
+                "a window of micro-batches that TorchRec's GradientAccumulationWrapper opened is unfinished (its "
+                "last micro-batch never ran), and this forward runs outside the wrapper: its backward would be "
+                "held with them and nothing would step. Finish the window through the wrapper (or pass "
+                "is_last_batch=True), then train on"
+            )
         if holds and self.deferred is None and not self.window.open:
             self.deferred = contextlib.ExitStack()
             self.deferred.enter_context(_window(model, ddp_sync_ours=False))  # the wrapper syncs DDP itself

@@ -176,3 +176,49 @@ def test_no_step_does_not_document_refusals_it_no_longer_makes():
     assert "NotImplementedError" not in no_step.__doc__ and "NotImplementedError" not in inspect.getsource(no_step)
     assert "Not covered yet" not in accumulation.__doc__
     assert "fused, fallback" in accumulation.__doc__  # what it says instead
+
+
+class _Pipeline:
+    """The least a TorchRec train pipeline does per batch: forward, backward, its optimizer's step."""
+
+    def __init__(self, model, optimizer):
+        self._model, self._optimizer = model, optimizer
+
+    def progress(self, batches):
+        self._optimizer.zero_grad()
+        self._model(next(batches)).sum().backward()
+        self._optimizer.step()
+
+
+def test_torchrecs_accumulation_wrapper_steps_once_per_window_and_an_unfinished_window_is_refused():
+    """One process, TorchRec's GradientAccumulationWrapper (num_steps=3) around a minimal pipeline, no
+    no_step: equal to torch.optim on each window's summed gradient. A forward outside the wrapper while
+    its window is unfinished raises instead of holding its backward too."""
+    from torchrec.distributed.train_pipeline.gradient_accumulation import (
+        GradientAccumulationConfig, GradientAccumulationWrapper,
+    )
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    reference = copy.deepcopy(model)
+    apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 0.05})
+    keyed = get_optimizers(model)
+    wrapper = GradientAccumulationWrapper(_Pipeline(model, keyed), keyed, model, GradientAccumulationConfig(num_steps=3))
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.05)
+    start = reference.weight.detach().clone()
+    xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    batches = iter(xs)
+    for window in range(2):
+        for _ in range(3):
+            wrapper.progress(batches)
+        for x in xs[3 * window : 3 * window + 3]:
+            reference(x).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(model.weight.detach(), reference.weight.detach(), atol=1e-7, rtol=0)
+    assert (reference.weight.detach() - start).abs().max().item() > 1e-2, "the reference must move"
+    wrapper.progress(batches)  # a window opens
+    before = model.weight.detach().clone()
+    with pytest.raises(RuntimeError, match="GradientAccumulationWrapper opened is unfinished"):
+        model(xs[7]).sum().backward()
+    assert torch.equal(model.weight.detach(), before)
