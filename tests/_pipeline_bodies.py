@@ -184,13 +184,17 @@ def compiling(rank: int, world_size: int, which: str) -> dict:
     return {"error": error, "unchanged": all(torch.equal(a, b) for k in before for a, b in zip(before[k], after[k]))}
 
 
-def synchronous(rank: int, world_size: int, pipeline: str, steps: int = 4) -> dict:
+def synchronous(rank: int, world_size: int, pipeline: str, steps: int = 4, micro: int = 2, reload_at: int = 1) -> dict:
     """One of TorchRec's synchronous train pipelines (``pipeline``, a class of its ``train_pipelines``)
     against one process of ``torch.optim`` on the global batch, with clipping by a norm that binds,
-    compared after every step."""
+    ``micro`` micro-batches a step (all but the last in ``overlap_optim.no_step``), and the keyed
+    optimizer's state dict saved and loaded back (``torch.save``) after step ``reload_at``; compared
+    after every step."""
+    import io
+
     from torchrec.distributed.train_pipeline import train_pipelines
 
-    batches = [_shared_batches(j, world_size) for j in range(steps)]
+    batches = [_shared_batches(j, world_size) for j in range(steps * micro)]
     probe = _SharedModel()
     probe(_global_batch(batches[0]))[0].backward()
     bound = 0.3 * torch.nn.utils.get_total_norm([p.grad for p in probe.parameters()]).item()
@@ -203,12 +207,19 @@ def synchronous(rank: int, world_size: int, pipeline: str, steps: int = 4) -> di
         runner = getattr(train_pipelines, pipeline)(dmp, keyed, torch.device("cpu"))
         local = iter([parts[rank] for parts in batches])
         for j in range(steps):
-            runner.progress(local)
-            model(_global_batch(batches[j]))[0].backward()
+            for m in range(micro):
+                with overlap_optim.no_step(dmp) if m < micro - 1 else contextlib.nullcontext():
+                    runner.progress(local)
+                model(_global_batch(batches[j * micro + m]))[0].backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), bound)
             for opt in opts:
                 opt.step()
                 opt.zero_grad()
             diffs.append(_diff(dmp, model))
+            if j == reload_at:
+                buffer = io.BytesIO()
+                torch.save(keyed.state_dict(), buffer)
+                buffer.seek(0)
+                keyed.load_state_dict(torch.load(buffer, weights_only=False))
     moved = min((model.ec.embeddings[n].weight.detach() - start[n]).abs().max().item() for n in NAMES)
     return {"diffs": diffs, "moved": moved}

@@ -3,7 +3,8 @@
 ``tests/_pipeline_bodies.py``: TorchRec's own fail there, stock too.
 
 - ``TrainPipelineBase``, ``SparseDist``, ``SparseDistLite`` and ``FusedSparseDist`` (a stream pipeline)
-  are exact with clipping by a global norm that binds.
+  are exact with clipping by a global norm that binds, two micro-batches a step (``no_step``), and the
+  optimizer's state dict saved and loaded back mid-run.
 - ``TrainPipelineSemiSync`` is exact against its documented order, written as a one-process reference:
   batch j is looked up with the tables as they were before batch j-1's update.
 - Under SemiSync, a clipping set that spans the dense part and the tables (or the tables of two
@@ -43,7 +44,7 @@ def ranks(request):
 
 
 @pytest.mark.parametrize("case", SYNCHRONOUS)
-def test_the_synchronous_pipelines_are_exact_with_clipping(ranks, case):
+def test_the_synchronous_pipelines_are_exact_with_clipping_accumulation_and_a_checkpoint(ranks, case):
     for rank, out in enumerate(ranks[case]):
         assert max(out["diffs"]) <= 1e-6, f"rank {rank}: {out['diffs']}"
         assert out["moved"] > 1e-2, out["moved"]
