@@ -7,6 +7,9 @@ from sharders.data_parallel import DataParallelWrapper, FullyShardWrapper
 from sharders.describe import describe
 from sharders.embedding import EmbeddingCollectionSharder
 from sharders.embeddingbag import EmbeddingBagCollectionSharder
+from sharders.managed_collision import (
+    ManagedCollisionEmbeddingBagCollectionSharder, ManagedCollisionEmbeddingCollectionSharder,
+)
 from sharders.kernels import KernelChoice, KernelKind, TableDecision, TableKernel
 from sharders.optimizer_table import choose_kernel
 from sharders.planner import EmbeddingShardingPlanner
@@ -15,5 +18,6 @@ from sharders.storage_reservation import DenseStorageReservation, dense_bytes
 
 __all__ = [
     "DataParallelWrapper", "FullyShardWrapper", "DenseStorageReservation", "dense_bytes", "describe", "EmbeddingBagCollectionSharder", "EmbeddingCollectionSharder", "EmbeddingShardingPlanner", "KernelChoice", "KernelKind", "TableDecision",
+    "ManagedCollisionEmbeddingBagCollectionSharder", "ManagedCollisionEmbeddingCollectionSharder",
     "TableKernel", "ShardedModulePlan", "choose_kernel", "plan_of",
 ]

@@ -34,7 +34,7 @@ __all__ = [
     "model_being_sharded", "divide_only_row_split_means", "uses_index_dedup", "data_parallel_wrapper",
     "reservation_percentage", "record_reservation", "replace_enumerator", "optimizer_classes_hidden",
     "annotations_read_as", "comm_hook_left_to_us", "recast_kernel", "replace_lookup", "run_first_on_load",
-    "sharding_inside_managed_collision", "semi_sync_pipeline", "stashes_gradients", "pipeline_model",
+    "managed_collision_being_built", "mc_collection_of", "table_init_fn", "semi_sync_pipeline", "stashes_gradients", "pipeline_model",
 ]
 
 # The name under which DistributedModelParallel registers the module it wraps.
@@ -247,13 +247,26 @@ def pipeline_model(pipeline: Any) -> nn.Module:
     return pipeline._model
 
 
-def sharding_inside_managed_collision() -> bool:
-    """Whether TorchRec's sharded managed-collision collection is being built on this thread: it
-    hands its inner collection to the collection sharder it was given. Private: the frame of
-    ``BaseShardedManagedCollisionEmbeddingCollection.__init__`` on the stack."""
+def managed_collision_being_built() -> nn.Module | None:
+    """The sharded managed-collision collection TorchRec is building on this thread (it hands its
+    inner collection to the collection sharder it was given), or None. Private: the frame of
+    ``BaseShardedManagedCollisionEmbeddingCollection.__init__`` on the stack, and its ``self``."""
     from torchrec.distributed.mc_embedding_modules import BaseShardedManagedCollisionEmbeddingCollection
 
-    return _running({BaseShardedManagedCollisionEmbeddingCollection.__init__.__code__}) is not None
+    frame = _running({BaseShardedManagedCollisionEmbeddingCollection.__init__.__code__})
+    return None if frame is None else frame.f_locals["self"]
+
+
+def mc_collection_of(module: nn.Module) -> nn.Module:
+    """The collection (EBC or EC) inside a managed-collision collection, sharded or not. Private:
+    ``BaseManagedCollisionEmbeddingCollection._embedding_module`` (and the sharded one's)."""
+    return module._embedding_module
+
+
+def table_init_fn(sharded: nn.Module, table: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The ``init_fn`` of a sharded collection's table config. Private:
+    ``ShardedEmbeddingBagCollection._table_name_to_config`` (and the EC's)."""
+    return sharded._table_name_to_config[table].init_fn
 
 
 def uses_index_dedup(sharder: Any) -> bool:
@@ -541,6 +554,14 @@ def _probe_run_first_on_load() -> object:
 
 # name -> a function that returns the private object (raises if it is gone). Instance
 # attributes are checked in the code of the class that sets them: no instance is needed.
+def _probe_managed_collision() -> str:
+    from torchrec.distributed.mc_embedding_modules import BaseShardedManagedCollisionEmbeddingCollection as cls
+
+    _set_by(cls, "_embedding_module")
+    _takes(cls._evict, "evictions_per_table")
+    return "_evict"
+
+
 PRIVATE_APIS: dict[str, Callable[[], object]] = {
     "ShardedEmbeddingBagCollection._lookups": lambda: _set_by(ShardedEmbeddingBagCollection, "_lookups"),
     "ShardedEmbeddingBagCollection._optim": lambda: _set_by(ShardedEmbeddingBagCollection, "_optim"),
@@ -575,6 +596,11 @@ PRIVATE_APIS: dict[str, Callable[[], object]] = {
     "BaseShardedManagedCollisionEmbeddingCollection.__init__ hands _embedding_module to the collection's sharder": (
         lambda: _mentions("torchrec.distributed.mc_embedding_modules", "e_sharder.shard(")
     ),
+    "BaseShardedManagedCollisionEmbeddingCollection._embedding_module, ._evict": _probe_managed_collision,
+    "BaseManagedCollisionEmbeddingCollection._embedding_module": lambda: _mentions(
+        "torchrec.modules.mc_embedding_modules", "self._embedding_module"),
+    **{f"{cls.__name__}._table_name_to_config": (lambda cls=cls: _set_by(cls, "_table_name_to_config")) for cls in (
+        ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)},
     "DistributedModelParallel._plan": lambda: _set_by(DistributedModelParallel, "_plan"),
     "DistributedModelParallel._sharder_map": lambda: _set_by(DistributedModelParallel, "_sharder_map"),
     "DistributedModelParallel._data_parallel_wrapper": lambda: _set_by(DistributedModelParallel,

@@ -63,7 +63,7 @@ from sharders._private import kernels_of
 from sharders.data_parallel import DataParallelWrapper, FullyShardWrapper
 from sharders.kernels import ROW_SPLITTING, BuildContext, TableKernel, kernel_class
 from sharders.live_settings import install_settings_check
-from sharders.managed_collision import refuse_managed_collision_sharding
+from sharders.evictions import check_evictable, is_ours, refuse_managed_collision_sharding
 from sharders.optimizer_table import decide
 from sharders.plan import ShardedModulePlan
 from sharders.table_state import ShardedTables
@@ -171,7 +171,7 @@ class CollectionSharder:
         device = device or torch.device("cpu")
         whole = _private.model_being_sharded()
         refuse_two_dimensional(env)
-        refuse_managed_collision_sharding(module, whole.root if whole is not None else None, module_fqn or "")
+        refuse_managed_collision_sharding(module, whole, module_fqn or "")
         if whole is not None and not any(isinstance(m, ShardedModule) for m in whole.root.modules()):
             check_model(whole, device.type)  # the first module: every refusal of every module, before any changes
         self.check_options(device.type)
@@ -282,9 +282,13 @@ def check_model(whole: _private.ModelBeingSharded, device_type: str) -> None:
     on every rank before ``DistributedModelParallel`` shards the first module."""
     carry_over(whole.root)  # the first thing that changes: a plain to_empty dropped the meta annotations
     modules = []
+    evictable = []  # managed-collision collections: their inner collection, by our collection sharder
     for path, module in whole.root.named_modules():
         sharder = whole.sharders.get(type(module))
         params = whole.plan.get_plan_for_module(path)
+        if is_ours(sharder) and params:
+            sharder, module = sharder.collection_sharder, _private.mc_collection_of(module)
+            evictable.append(path)
         if isinstance(sharder, CollectionSharder) and params:
             modules.append((sharder, path, module, params))
     _check_meta_dense(whole, modules)
@@ -294,7 +298,9 @@ def check_model(whole: _private.ModelBeingSharded, device_type: str) -> None:
             _check_named(option, getattr(sharder, option), held)
     for sharder, path, module, params in modules:
         sharder.check_options(device_type)
-        sharder._table_kernels(module, params, device_type, path)
+        kernels = sharder._table_kernels(module, params, device_type, path)
+        if path in evictable:
+            check_evictable(kernels, path)
 
 
 def _check_meta_dense(whole: _private.ModelBeingSharded, modules: list) -> None:

@@ -36,7 +36,7 @@ from overlap_optim.record import annotate, live_optimizers, set_live_optimizers
 from overlap_optim.spec import AnnotationGroup
 from sharders import _private
 from sharders.kernels import BuildContext, KernelKind, TableKernel
-from sharders.managed_collision import refuse_managed_collision
+from sharders.evictions import refuse_managed_collision
 from sharders.two_dimensional import refuse_two_dimensional
 
 __all__ = ["DataParallelTable", "DataParallelWrapper", "FullyShardWrapper", "without_tables", "attach_optimizer"]
@@ -147,8 +147,8 @@ class DataParallelWrapper(DefaultDataParallelWrapper):
     parameter is updated by its optimizer right after its bucket is all-reduced
     and averaged. Unannotated parameters keep their averaged gradient.
 
-    A model with a managed-collision collection is refused here, naming it
-    (:mod:`sharders.managed_collision`).
+    A model with a managed-collision collection that DMP did not shard with our managed-collision
+    sharders is refused here, naming it (:mod:`sharders.evictions`).
 
     A model built on the meta device keeps its annotations: DMP's
     ``init_parameters`` replaces each meta parameter with a new one, and the
@@ -169,7 +169,7 @@ class DataParallelWrapper(DefaultDataParallelWrapper):
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
         refuse_two_dimensional(env)
-        refuse_managed_collision(dmp.module)
+        refuse_managed_collision(dmp.module, {})
         carry_over(dmp.module)  # before DDP takes the parameters that init_parameters made
         with _private.comm_hook_left_to_us(self) as comm:  # else TorchRec registers its own compress hook
             super().wrap(dmp, env, device)
@@ -206,7 +206,7 @@ class FullyShardWrapper(TorchRecDataParallelWrapper):
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
         refuse_two_dimensional(env)
-        refuse_managed_collision(dmp.module)
+        refuse_managed_collision(dmp.module, {})
         carry_over(dmp.module)
         module = _private.wrapped_module(dmp)
         if isinstance(module, torch.distributed.fsdp.FSDPModule):

@@ -16,7 +16,8 @@ every device.
 Sharding types: data_parallel, table_wise, column_wise and row_wise (TorchRec's).
 ``use_index_dedup=True`` is refused on CPU, where FBGEMM has no kernel for it.
 
-Refused, by class: managed-collision collections (:mod:`sharders.managed_collision`).
+A managed-collision collection takes :class:`sharders.ManagedCollisionEmbeddingCollectionSharder`
+(:mod:`sharders.managed_collision`); this sharder on its inner collection is refused.
 """
 
 from __future__ import annotations

@@ -1,53 +1,67 @@
-"""Managed-collision collections are refused, by class, before anything is sharded.
+"""The managed-collision (ZCH) sharders: TorchRec's, over our collection sharders.
 
-``ManagedCollisionEmbeddingCollection`` and ``ManagedCollisionEmbeddingBagCollection``
-(sharded or not) remap each id through a module whose state TorchRec updates on
-its own, outside the optimizer and per rank: an evicted slot's new id inherits the old
-id's optimizer state, and a row shard's remapping differs from the unsharded module's.
-One process of ``torch.optim`` is not their reference, so they cannot keep the promise yet.
-
-They are refused wherever one meets our code first: our planner (:func:`refuse_managed_collision`
-of the model), our sharders (the whole model DMP shards, before its first module changes; or, when
-TorchRec's managed-collision sharder hands our sharder its inner collection, that collection), and
-our data-parallel wrappers (after DMP has sharded the rest with other sharders).
+:class:`ManagedCollisionEmbeddingBagCollectionSharder` and
+:class:`ManagedCollisionEmbeddingCollectionSharder` shard ``ManagedCollisionEmbeddingBagCollection``
+and ``ManagedCollisionEmbeddingCollection``. TorchRec remaps each id through the table's
+managed-collision module, row shard by row shard (row_wise, the one sharding type TorchRec's
+remapping runs on; our planner offers it on CPU), and evicts as stock does; our collection sharder
+runs the tables, and an evicted slot gets a fresh row's weight and optimizer state
+(:mod:`sharders.evictions`, which also lists what is refused).
 """
 
 from __future__ import annotations
 
-from torch import nn
-from torchrec.distributed.mc_embedding_modules import BaseShardedManagedCollisionEmbeddingCollection
-from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
+from typing import Any
 
-from sharders import _private
+from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder as _TorchRecECSharder
+from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder as _TorchRecEBCSharder
+from torchrec.distributed.mc_modules import ManagedCollisionCollectionSharder
 
-__all__ = ["refuse_managed_collision", "refuse_managed_collision_sharding"]
+from sharders.collection import CollectionSharder
+from sharders.embedding import EmbeddingCollectionSharder
+from sharders.embeddingbag import EmbeddingBagCollectionSharder
+from sharders.evictions import EvictingSharder, EvictingBagCollection, EvictingEmbeddingCollection
 
-# Managed-collision collections (EC and EBC), unsharded and sharded.
-_MANAGED_COLLISION = (BaseManagedCollisionEmbeddingCollection, BaseShardedManagedCollisionEmbeddingCollection)
-_INSTEAD = (
-    "managed-collision collections are not supported by overlap-optim's sharders yet (their id remapping keeps "
-    "state outside the optimizer, per rank, so training them is not exactly torch.optim). Remap ids before the "
-    "model and use a plain EmbeddingCollection or EmbeddingBagCollection"
-)
+__all__ = ["ManagedCollisionEmbeddingBagCollectionSharder", "ManagedCollisionEmbeddingCollectionSharder"]
 
 
-def refuse_managed_collision(model: nn.Module) -> None:
-    """Raise ``NotImplementedError`` naming the first managed-collision collection in ``model``
-    (sharded or not), by class and path; see the module doc."""
-    for path, module in model.named_modules():
-        if isinstance(module, _MANAGED_COLLISION):
-            raise NotImplementedError(f"{type(module).__name__} at {path or 'the root'!r}: {_INSTEAD}")
-
-
-def refuse_managed_collision_sharding(module: nn.Module, whole: nn.Module | None, path: str) -> None:
-    """Before our sharder shards ``module`` (at ``path``): refuse a managed-collision collection in
-    ``whole``, the model being sharded (None when no ``DistributedModelParallel`` is sharding), and
-    ``module`` itself when TorchRec's managed-collision sharder handed it to us."""
-    if whole is not None:
-        refuse_managed_collision(whole)
-    if _private.sharding_inside_managed_collision():
-        where = f" at {path!r}" if path else ""
-        raise NotImplementedError(
-            f"{type(module).__name__}{where}, the collection inside a managed-collision collection, handed to "
-            f"overlap-optim's sharder by TorchRec's managed-collision sharder: {_INSTEAD}"
+def _own(sharder: EvictingSharder, inner: Any, name: str, remapping: Any) -> None:
+    """Keep ``inner`` (our collection sharder, else ValueError naming it) and ``remapping`` (TorchRec's
+    remapping sharder, made when None) on ``sharder``."""
+    if not isinstance(inner, CollectionSharder):
+        expected = "EmbeddingBagCollectionSharder" if name == "ebc_sharder" else "EmbeddingCollectionSharder"
+        raise ValueError(
+            f"{type(sharder).__name__}: {name} must be overlap-optim's collection sharder (sharders.{expected}), "
+            f"not {type(inner).__name__}: another one leaves an evicted slot's optimizer state to its new id"
         )
+    sharder.collection_sharder, sharder.remapping_sharder = inner, remapping or ManagedCollisionCollectionSharder()
+
+
+class ManagedCollisionEmbeddingBagCollectionSharder(EvictingSharder, _TorchRecEBCSharder):
+    """TorchRec's ``ManagedCollisionEmbeddingBagCollectionSharder`` over our
+    :class:`~sharders.EmbeddingBagCollectionSharder` (the default ``ebc_sharder``); see the module doc.
+
+    Example:
+        >>> sharders_ = [sharders.EmbeddingBagCollectionSharder(), ManagedCollisionEmbeddingBagCollectionSharder()]
+        >>> plan = sharders.EmbeddingShardingPlanner(topology=topology).collective_plan(model, sharders_, pg)
+        >>> model = DistributedModelParallel(model, plan=plan, sharders=sharders_)
+    """
+
+    sharded_class = EvictingBagCollection
+
+    def __init__(self, ebc_sharder: Any = None, mc_sharder: Any = None, **kwargs: Any) -> None:
+        ebc_sharder = ebc_sharder if ebc_sharder is not None else EmbeddingBagCollectionSharder()
+        _own(self, ebc_sharder, "ebc_sharder", mc_sharder)
+        super().__init__(ebc_sharder=ebc_sharder, mc_sharder=self.remapping_sharder, **kwargs)
+
+
+class ManagedCollisionEmbeddingCollectionSharder(EvictingSharder, _TorchRecECSharder):
+    """TorchRec's ``ManagedCollisionEmbeddingCollectionSharder`` over our
+    :class:`~sharders.EmbeddingCollectionSharder` (the default ``ec_sharder``); see the module doc."""
+
+    sharded_class = EvictingEmbeddingCollection
+
+    def __init__(self, ec_sharder: Any = None, mc_sharder: Any = None, **kwargs: Any) -> None:
+        ec_sharder = ec_sharder if ec_sharder is not None else EmbeddingCollectionSharder()
+        _own(self, ec_sharder, "ec_sharder", mc_sharder)
+        super().__init__(ec_sharder=ec_sharder, mc_sharder=self.remapping_sharder, **kwargs)

@@ -57,7 +57,7 @@ from overlap_optim.spec import AnnotationGroup
 from sharders import _private
 from sharders.collection import CollectionSharder
 from sharders.kernels import TableKernel, kernel_class
-from sharders.managed_collision import refuse_managed_collision
+from sharders.evictions import check_evictable, is_ours, refuse_managed_collision
 from sharders.optimizer_table import decide
 from sharders.storage_reservation import DenseStorageReservation
 
@@ -93,8 +93,8 @@ class EmbeddingShardingPlanner(_TorchRecPlanner):
 
     def plan(self, module: nn.Module, sharders: list) -> Any:
         """TorchRec's, after refusing what our sharders refuse for the whole model (a managed-collision
-        collection), before any table is planned."""
-        refuse_managed_collision(module)
+        collection none of ``sharders`` is ours for), before any table is planned."""
+        refuse_managed_collision(module, {s.module_type: s for s in sharders})
         return super().plan(module, sharders)
 
     def collective_plan(self, module: nn.Module, sharders: list | None = None, pg: Any = None) -> Any:
@@ -163,6 +163,9 @@ class FittingEnumerator(EmbeddingEnumerator):
         it; None for a module our sharders do not shard."""
         path, module = option.module
         sharder = self.sharder_map.get(option.module_type_key)
+        evictable = is_ours(sharder)  # a managed-collision collection: our collection sharder runs its tables
+        if evictable:
+            sharder, module = sharder.collection_sharder, _private.mc_collection_of(module)
         if not isinstance(sharder, CollectionSharder):
             return None
         try:
@@ -181,6 +184,8 @@ class FittingEnumerator(EmbeddingEnumerator):
         kernel.row_split_mean = sharder.row_split_mean(module, option.name, option.sharding_type)
         if sharder.variable_batch and kernel.variable_batch_refusal() is not None:
             return f"variable_batch=True: {kernel.variable_batch_refusal()}"
+        if evictable:
+            check_evictable({option.name: kernel}, path)  # refused whatever the option: raised as it is
         if option.compute_kernel not in kernel.plan_kernels:
             return (f"compute kernel {option.compute_kernel}: the table runs as {kernel.runs_as()}, in "
                     f"{kernel.kernel_for('fused') or 'dense'}, which the sharder would put there instead")

@@ -210,13 +210,25 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(
         "managed_collision",
         "a managed-collision collection (ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection) "
-        "in a model that our planner plans, our sharders shard (its inner collection too, handed over by TorchRec's "
-        "managed-collision sharder) or our data-parallel wrappers wrap",
+        "sharded by any sharder but ours (TorchRec's managed-collision sharder, or our collection sharder on its inner "
+        "collection), in a model our planner plans, our sharders shard or our data-parallel wrappers wrap",
         "plan, or shard (before any module is sharded; under our wrappers alone, after DMP has sharded it)",
-        "its id remapping keeps state outside the optimizer and per rank: an evicted slot's new id inherits the old "
-        "id's optimizer state, and each row shard remaps on its own; not built yet",
-        "remap ids before the model and use a plain EmbeddingBagCollection or EmbeddingCollection",
-        r"managed-collision collections are not supported by overlap-optim's sharders",
+        "another sharder leaves an evicted slot's optimizer state to its new id (TorchRec's), or remaps each rank's "
+        "batch on that rank apart (ours on the inner collection)",
+        "sharders.ManagedCollisionEmbeddingBagCollectionSharder (or ManagedCollisionEmbeddingCollectionSharder), "
+        "passed to the planner and DistributedModelParallel",
+        r"shard managed-collision collections with sharders.ManagedCollision",
+        sampled=False,
+    ),
+    Refusal(
+        "managed_collision_state",
+        "a table of a managed-collision collection with no in-backward optimizer, or one whose optimizer keeps "
+        "state that is not per row (Adafactor's or CAME's column factors)",
+        "plan, or shard (before any module is sharded)",
+        "an eviction gives the evicted slot a fresh row's state: your own optimizer's state is out of reach, and a "
+        "column factor is shared by every row",
+        "annotate the table with an optimizer whose state is per row or per element (Adagrad, Adam, SGD...)",
+        r"(has no in-backward optimizer: your own optimizer keeps its state|keeps state that is not per row)",
         sampled=False,
     ),
     Refusal(

@@ -187,6 +187,22 @@ class ShardedTables:
             scalars = {n: v for n, v in saved.items() if n not in table.row_names}
             piece.state.load_state({**rows, **scalars})
 
+    def reset_rows(self, table: str, rows: torch.Tensor) -> None:
+        """Give ``rows`` (indices into this rank's one shard of ``table``) the state of a row never
+        updated: each per-row entry its :attr:`~overlap_optim.spec.StateEntry.fresh` value; the
+        per-table entries are left as they are. A table that keeps no state (frozen), or a shard with
+        none yet, has nothing to reset."""
+        entry = self.tables.get(table)
+        if entry is None:
+            return
+        assert len(entry.pieces) == 1, f"{table}: an eviction names rows of one shard, {len(entry.pieces)} here"
+        piece, spec = entry.pieces[0], entry.group.spec
+        if not piece.state.has_real_state():
+            return
+        for name in entry.row_names:
+            fresh = spec.state[name].fresh
+            piece.state.row_state[name][rows] = 0 if fresh is None else fresh
+
     # -- internals --
 
     def _gathered_scalars(self) -> dict[str, dict[str, Any] | None]:

@@ -1,6 +1,6 @@
 """Rank bodies for tests/test_managed_collision.py (spawned; not collected by pytest).
 
-Each builds a model whose EBC is wrapped in TorchRec's ``ManagedCollisionEmbeddingBagCollection``,
+The refusals: each builds a model with a ``ManagedCollisionEmbeddingBagCollection``,
 meets it with one of our entry points, and returns what the test asserts: the error (type and
 message, or "no error") and whether any module of the model was sharded by then.
 """
@@ -44,13 +44,7 @@ class _Model(nn.Module):
 
 
 def _outcome(build) -> dict:
-    model = _Model()
-    try:
-        build(model)
-        error = "no error"
-    except Exception as err:  # what the user sees
-        error = f"{type(err).__name__}: {err}"
-    return {"error": error, "sharded": [p for p, m in model.named_modules() if isinstance(m, ShardedModule)]}
+    return _outcome_of(_Model(), build)
 
 
 def _topology(world_size: int) -> Topology:
@@ -91,3 +85,63 @@ def our_planner(rank: int, world_size: int) -> dict:
         planner.collective_plan(model, [sharders.EmbeddingBagCollectionSharder(),
                                         ManagedCollisionEmbeddingBagCollectionSharder()], dist.group.WORLD)
     return _outcome(build)
+
+
+def _ours_on(model: nn.Module, world_size: int, planner: str) -> None:
+    """Our managed-collision sharder under DMP, planned by ``planner`` ("ours" or "stock")."""
+    mc = sharders.ManagedCollisionEmbeddingBagCollectionSharder()
+    topology = _topology(world_size)
+    constraints = {"t": ParameterConstraints(sharding_types=["row_wise"])}
+    if planner == "ours":
+        plan = sharders.EmbeddingShardingPlanner(topology=topology, constraints=constraints).collective_plan(
+            model, [mc], dist.group.WORLD)
+    else:
+        plan = _hand_made_plan(model, world_size)
+    DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[mc])
+
+
+def _hand_made_plan(model: nn.Module, world_size: int):
+    """A row_wise plan of ``mc`` built by hand (TorchRec's plan helpers), so that no planner checks it."""
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+    from torchrec.distributed.types import ShardingPlan
+
+    module_plan = construct_module_sharding_plan(
+        model.mc, per_param_sharding={"t": row_wise()}, sharder=sharders.ManagedCollisionEmbeddingBagCollectionSharder(),
+        local_size=world_size, world_size=world_size, device_type="cpu")
+    return ShardingPlan({"mc": module_plan})
+
+
+def _mc_model(annotate) -> nn.Module:
+    from _managed_collision_exact import MCModel
+
+    model = MCModel(bagged=True)
+    annotate(model.table(model.mc._embedding_module).weight)
+    return model
+
+
+def _outcome_of(model: nn.Module, build) -> dict:
+    try:
+        build(model)
+        error = "no error"
+    except Exception as err:  # what the user sees
+        error = f"{type(err).__name__}: {err}"
+    return {"error": error, "sharded": [p for p, m in model.named_modules() if isinstance(m, ShardedModule)]}
+
+
+def column_state(rank: int, world_size: int, planner: str) -> dict:
+    """Adafactor (a column factor) on the table of our managed-collision sharder: refused by name,
+    by our planner, or (a plan made by hand) before DMP shards anything."""
+    model = _mc_model(lambda w: overlap_optim.apply_optimizer_in_backward(torch.optim.Adafactor, [w], {"lr": 0.01}))
+    return _outcome_of(model, lambda m: _ours_on(m, world_size, planner))
+
+
+def unannotated(rank: int, world_size: int) -> dict:
+    """A table of our managed-collision sharder with no annotation: refused by name before sharding."""
+    model = _mc_model(lambda w: None)
+    return _outcome_of(model, lambda m: _ours_on(m, world_size, "stock"))
+
+
+def torchrecs_collection_sharder_inside_ours(rank: int, world_size: int) -> dict:
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder as Stock
+
+    return _outcome_of(nn.Module(), lambda m: sharders.ManagedCollisionEmbeddingBagCollectionSharder(Stock()))

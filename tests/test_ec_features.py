@@ -19,12 +19,14 @@ import pytest
 import torch
 from torchrec import EmbeddingCollection, EmbeddingConfig
 from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection
+from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
 from torchrec.modules.mc_modules import DistanceLFU_EvictionPolicy, ManagedCollisionCollection, MCHManagedCollisionModule
 
 from overlap_optim.testing import run_cases, selected_cases
 from _ec_bodies import MIXED, accumulated, clipped, mixed_on_one_rank, mixed_reshard, shared_table_in_pipeline
 from _torchrec_patterns import combined_optimizer_run
-from sharders.managed_collision import refuse_managed_collision
+import sharders
+from sharders.evictions import refuse_managed_collision
 
 TWO_RANKS = {
     "clipped": clipped,
@@ -144,7 +146,7 @@ def test_the_mixed_checkpoint_loads_on_one_rank(one, reshard, case):
     assert one[case][0]["layout"] == reshard["reshard"][0]["layout_a"]
 
 
-def test_managed_collision_collections_are_refused_by_class():
+def test_a_managed_collision_collection_is_refused_unless_our_sharder_shards_it():
     ec = EmbeddingCollection(tables=[EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=16, feature_names=["f"])])
     collision = ManagedCollisionCollection(
         managed_collision_modules={"t": MCHManagedCollisionModule(
@@ -152,8 +154,12 @@ def test_managed_collision_collections_are_refused_by_class():
         embedding_configs=ec.embedding_configs(),
     )
     model = torch.nn.Sequential(ManagedCollisionEmbeddingCollection(ec, collision, return_remapped_features=False))
-    with pytest.raises(NotImplementedError, match=r"ManagedCollisionEmbeddingCollection at '0': managed-collision"):
+    with pytest.raises(NotImplementedError, match=r"ManagedCollisionEmbeddingCollection at '0': shard managed-collision"):
         refuse_managed_collision(model)
+    stock = {ManagedCollisionEmbeddingCollection: ManagedCollisionEmbeddingCollectionSharder()}
+    with pytest.raises(NotImplementedError, match=r"ManagedCollisionEmbeddingCollection at '0': shard managed-collision"):
+        refuse_managed_collision(model, stock)
+    refuse_managed_collision(model, {ManagedCollisionEmbeddingCollection: sharders.ManagedCollisionEmbeddingCollectionSharder()})
     refuse_managed_collision(torch.nn.Sequential(ec))  # a plain EC passes
 
 

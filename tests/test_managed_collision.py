@@ -1,5 +1,6 @@
-"""Managed-collision collections meet our code only to be refused, by class, on every rank, before any
-module is sharded (2 ranks, gloo).
+"""Managed-collision collections (2 ranks, gloo): exact under our managed-collision sharders against one
+process of TorchRec's remapping and torch.optim (tests/_managed_collision_exact.py), and refused, by
+name, on every rank, before any module is sharded, everywhere else.
 
 On the main of 2026-11-27 each of these trained silently wrong or crashed late: our EBC sharder on an
 MC module's inner EBC let each rank remap its own batch (after 4 steps one slot held a different id on
@@ -9,33 +10,81 @@ each rank); inside TorchRec's MC sharder an evicted slot's new id inherited the 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from _managed_collision_bodies import (
-    inside_torchrecs_managed_collision_sharder, our_planner, our_sharder_on_the_inner_collection,
+    column_state, inside_torchrecs_managed_collision_sharder, our_planner, our_sharder_on_the_inner_collection,
+    torchrecs_collection_sharder_inside_ours, unannotated,
 )
+from _managed_collision_exact import SETTINGS, checkpoint_into_a_fresh_model, exact_cases
 from overlap_optim.testing import run_cases, selected_cases
 from sharders.refusals import refusal
 
-CASES = {
+REFUSED = {
     "inner_collection": our_sharder_on_the_inner_collection,
     "torchrec_mc_sharder": inside_torchrecs_managed_collision_sharder,
     "planner": our_planner,
+}
+CASES = {
+    **REFUSED,
+    "column_state_planner": functools.partial(column_state, planner="ours"),
+    "column_state_dmp": functools.partial(column_state, planner="stock"),
+    "unannotated": unannotated,
+    "stock_inner_sharder": torchrecs_collection_sharder_inside_ours,
+    "exact": exact_cases,
+    "checkpoint": checkpoint_into_a_fresh_model,
 }
 
 
 @pytest.fixture(scope="module")
 def ranks(request):
-    return run_cases(CASES, selected_cases(request, CASES), timeout=240)
+    return run_cases(CASES, selected_cases(request, CASES), timeout=300)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_a_managed_collision_collection_is_refused_on_every_rank_before_anything_is_sharded(ranks, case):
+@pytest.mark.parametrize("case", SETTINGS)
+def test_our_managed_collision_sharders_equal_torch_optim_with_evicted_rows_reset(ranks, case):
+    """Six steps, 2 ranks, row_wise, an eviction at every step: the table and the head match the
+    reference after every step, the reference moved, and slots were evicted."""
+    for rank, out in enumerate(ranks["exact"]):
+        result = out[case]
+        assert result["evicted"] >= 10 and result["moved"] > 0.1, result
+        assert max(result["diffs"]) <= 1e-5, f"{case}, rank {rank}: {result['diffs']}"
+
+
+def test_a_checkpoint_keeps_the_remapping_and_resumes_exactly_in_a_fresh_model(ranks):
+    for rank, out in enumerate(ranks["checkpoint"]):
+        assert {"_mch_sorted_raw_ids", "_mch_remapped_ids_mapping", "_mch_counts"} <= set(out["remapping"]), out
+        assert out["evicted"] > 0 and max(out["diffs"]) <= 1e-5, f"rank {rank}: {out['diffs']}"
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_managed_collision_collection_given_to_another_sharder_is_refused_before_anything_is_sharded(ranks, case):
     errors = [out["error"] for out in ranks[case]]
     assert errors[0] == errors[1], errors
-    assert errors[0].startswith("NotImplementedError: ") and "managed-collision collection" in errors[0], errors[0]
-    assert refusal("managed_collision").matches(errors[0])
+    assert errors[0].startswith("NotImplementedError: ") and refusal("managed_collision").matches(errors[0]), errors[0]
     expected = "EmbeddingBagCollection, the collection inside" if case == "torchrec_mc_sharder" else \
         "ManagedCollisionEmbeddingBagCollection at 'mc'"
     assert expected in errors[0], errors[0]
     assert all(out["sharded"] == [] for out in ranks[case]), [out["sharded"] for out in ranks[case]]
+
+
+@pytest.mark.parametrize("case,named", [
+    ("column_state_planner", "Adafactor keeps state that is not per row"),
+    ("column_state_dmp", "Adafactor keeps state that is not per row"),
+    ("unannotated", "has no in-backward optimizer"),
+])
+def test_a_table_whose_evicted_rows_cannot_get_fresh_state_is_refused_by_name_before_sharding(ranks, case, named):
+    errors = [out["error"] for out in ranks[case]]
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith("NotImplementedError: table 't' of the managed-collision collection at 'mc'"), errors[0]
+    assert named in errors[0] and refusal("managed_collision_state").matches(errors[0]), errors[0]
+    assert all(out["sharded"] == [] for out in ranks[case]), [out["sharded"] for out in ranks[case]]
+
+
+def test_our_managed_collision_sharder_refuses_torchrecs_collection_sharder_inside(ranks):
+    error = ranks["stock_inner_sharder"][0]["error"]
+    assert error.startswith("ValueError: ManagedCollisionEmbeddingBagCollectionSharder: ebc_sharder must be "
+                            "overlap-optim's collection sharder"), error
+    assert "not EmbeddingBagCollectionSharder" in error, error
