@@ -53,6 +53,23 @@ def cpu_streams() -> Iterator[None]:
         torch.Tensor.record_stream, torch.get_device_module = record, device_module
 
 
+def with_cpu_streams(pipeline):
+    """``pipeline`` with CPU streams where TorchRec makes streams only on CUDA and MTIA and leaves None on
+    CPU: the prefetch pipeline prefetches only on a data-dist stream, and its pipelined forward asserts
+    that a prefetch ran (stock fails so on CPU). Test-only, as :func:`cpu_streams`."""
+    for name in ("_data_dist_stream", "_prefetch_stream", "_default_stream"):
+        if hasattr(pipeline, name) and getattr(pipeline, name) is None:
+            setattr(pipeline, name, _CpuStream())
+    return pipeline
+
+
+class _CpuStream(torch.cpu.Stream):
+    """torch's CPU stream (it does nothing: CPU kernels run in order), with the ``device`` that
+    TorchRec's stream contexts read."""
+
+    device = torch.device("cpu")
+
+
 def _built(rank: int, world_size: int, clip: float | None = None):
     model = _SharedModel()
     reference = copy.deepcopy(model)
@@ -70,10 +87,11 @@ def _built(rank: int, world_size: int, clip: float | None = None):
 class _SemiSyncReference:
     """One process, on the global batch, in SemiSync's documented order: batch j is looked up with the
     tables as they were before batch j-1's update (after the updates of batches 0..j-2); its gradient
-    then updates the tables as they are (after batch j-1's). The head is synchronous."""
+    then updates the tables as they are (after batch j-1's). The head is synchronous. With ``clip``,
+    the gradients of the tables and the head are clipped to that global norm before the step."""
 
-    def __init__(self, model: _SharedModel) -> None:
-        self.model = model
+    def __init__(self, model: _SharedModel, clip: float | None = None) -> None:
+        self.model, self.clip = model, clip
         self.opts = [cls([model.ec.embeddings[n].weight], **kw) for n, (cls, kw) in SETTINGS.items()]
         self.opts.append(HEAD[0](model.head.parameters(), **HEAD[1]))
         self.looked_up = copy.deepcopy(model.ec)  # the tables batch j looks up
@@ -87,6 +105,8 @@ class _SemiSyncReference:
         (prediction.squeeze(1) - batch.labels).pow(2).mean().backward()
         for name in NAMES:
             tables[name].weight.grad = self.looked_up.embeddings[name].weight.grad
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         for opt in self.opts:
             opt.step()
             opt.zero_grad()
@@ -140,6 +160,28 @@ def semi_sync(rank: int, world_size: int, steps: int = 4) -> dict:
     return {"diffs": diffs, "moved": reference.moved(), "gap_to_synchronous": gap}
 
 
+def staged_lookup_ahead(rank: int, world_size: int, steps: int = 4, clip: float = 0.05) -> dict:
+    """``StagedTrainPipeline`` with an embedding-lookup stage, clipped by a global norm that binds,
+    against :class:`_SemiSyncReference` (its order is SemiSync's; one backward pass a step, so one
+    clipping round over the tables and the head), compared after every step."""
+    dmp, keyed, model = _built(rank, world_size, clip=clip)
+    reference = _SemiSyncReference(model, clip=clip)
+    unclipped = _SemiSyncReference(copy.deepcopy(model))  # the bound binds: it ends elsewhere
+    batches = [_shared_batches(j, world_size) for j in range(steps)]
+    diffs = []
+    with cpu_streams():
+        progress = _staged(dmp, keyed, lookup_ahead=True)
+        local = iter([parts[rank] for parts in batches])
+        for j in range(steps):
+            progress(local)
+            reference.step(j, _global_batch(batches[j]))
+            unclipped.step(j, _global_batch(batches[j]))
+            diffs.append(_diff(dmp, model))
+    gap = max((unclipped.model.ec.embeddings[n].weight - model.ec.embeddings[n].weight).abs().max().item()
+              for n in NAMES)
+    return {"diffs": diffs, "moved": reference.moved(), "gap_to_unclipped": gap}
+
+
 def semi_sync_refused(rank: int, world_size: int, clip: bool = False, stash: bool = False) -> dict:
     """SemiSync with a clipping set over the tables and the head (``clip``), or with
     ``stash_gradients=True`` (``stash``): the error of the first ``progress``, and whether every table
@@ -184,12 +226,36 @@ def compiling(rank: int, world_size: int, which: str) -> dict:
     return {"error": error, "unchanged": all(torch.equal(a, b) for k in before for a, b in zip(before[k], after[k]))}
 
 
+def _staged(dmp, keyed, lookup_ahead: bool = False):
+    """TorchRec's ``StagedTrainPipeline`` with its sparse-data-dist stage (and, ``lookup_ahead``, its
+    embedding-lookup stage, which makes it semi-synchronous), and the loop its docs give (the pipeline
+    hands over each batch, the loop runs the model, backward and the step): a callable that runs
+    one micro-batch."""
+    from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage, SparseDataDistUtil
+    from torchrec.distributed.train_pipeline.train_pipelines import StagedTrainPipeline
+
+    sdd = SparseDataDistUtil(dmp, data_dist_stream=_CpuStream(), 
+                             embedding_lookup_stream=_CpuStream() if lookup_ahead else None)
+    stages = [PipelineStage("start_sparse_data_dist", sdd.start_sparse_data_dist, sdd.data_dist_stream,
+                            fill_callback=sdd.wait_sdd_fill_callback)]
+    if lookup_ahead:
+        stages.append(PipelineStage("start_embedding_lookup", sdd.start_embedding_lookup, sdd.embedding_lookup_stream))
+    pipeline = StagedTrainPipeline(compute_stream=_CpuStream(), pipeline_stages=stages)
+
+    def progress(batches) -> None:
+        keyed.zero_grad()
+        loss, _ = dmp(pipeline.progress(batches))
+        loss.backward()
+        keyed.step()
+    return progress
+
+
 def synchronous(rank: int, world_size: int, pipeline: str, steps: int = 4, micro: int = 2, reload_at: int = 1) -> dict:
-    """One of TorchRec's synchronous train pipelines (``pipeline``, a class of its ``train_pipelines``)
-    against one process of ``torch.optim`` on the global batch, with clipping by a norm that binds,
-    ``micro`` micro-batches a step (all but the last in ``overlap_optim.no_step``), and the keyed
-    optimizer's state dict saved and loaded back (``torch.save``) after step ``reload_at``; compared
-    after every step."""
+    """One of TorchRec's synchronous train pipelines (``pipeline``, a class of its ``train_pipelines``,
+    or "StagedTrainPipeline": :func:`_staged`) against one process of ``torch.optim`` on the global
+    batch, with clipping by a norm that binds, ``micro`` micro-batches a step (all but the last in
+    ``overlap_optim.no_step``), and the keyed optimizer's state dict saved and loaded back
+    (``torch.save``) after step ``reload_at``; compared after every step."""
     import io
 
     from torchrec.distributed.train_pipeline import train_pipelines
@@ -204,12 +270,15 @@ def synchronous(rank: int, world_size: int, pipeline: str, steps: int = 4, micro
     start = {n: model.ec.embeddings[n].weight.detach().clone() for n in NAMES}
     diffs = []
     with cpu_streams():
-        runner = getattr(train_pipelines, pipeline)(dmp, keyed, torch.device("cpu"))
+        if pipeline == "StagedTrainPipeline":
+            progress = _staged(dmp, keyed)
+        else:
+            progress = with_cpu_streams(getattr(train_pipelines, pipeline)(dmp, keyed, torch.device("cpu"))).progress
         local = iter([parts[rank] for parts in batches])
         for j in range(steps):
             for m in range(micro):
                 with overlap_optim.no_step(dmp) if m < micro - 1 else contextlib.nullcontext():
-                    runner.progress(local)
+                    progress(local)
                 model(_global_batch(batches[j * micro + m]))[0].backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), bound)
             for opt in opts:

@@ -2,9 +2,12 @@
 ``torch.optim``). The stream pipelines run on CPU through the test-only stand-in for CPU streams of
 ``tests/_pipeline_bodies.py``: TorchRec's own fail there, stock too.
 
-- ``TrainPipelineBase``, ``SparseDist``, ``SparseDistLite`` and ``FusedSparseDist`` (a stream pipeline)
-  are exact with clipping by a global norm that binds, two micro-batches a step (``no_step``), and the
-  optimizer's state dict saved and loaded back mid-run.
+- ``TrainPipelineBase``, ``SparseDist``, ``SparseDistLite``, ``FusedSparseDist``, ``PrefetchTrainPipelineSparseDist``
+  and ``StagedTrainPipeline`` (its sparse-data-dist stage, the loop its docs give) are exact with clipping by a
+  global norm that binds, two micro-batches a step (``no_step``), and the optimizer's state dict saved and loaded
+  back mid-run. The prefetch pipeline and the staged one get CPU streams where TorchRec leaves None on CPU.
+- ``StagedTrainPipeline`` with its embedding-lookup stage is semi-synchronous: exact against SemiSync's order,
+  clipped by one global norm a step (its one backward pass).
 - ``TrainPipelineSemiSync`` is exact against its documented order, written as a one-process reference:
   batch j is looked up with the tables as they were before batch j-1's update.
 - Under SemiSync, a clipping set that spans the dense part and the tables (or the tables of two
@@ -22,15 +25,16 @@ from functools import partial
 
 import pytest
 
-from _pipeline_bodies import compiling, semi_sync, semi_sync_refused, synchronous
+from _pipeline_bodies import compiling, semi_sync, semi_sync_refused, staged_lookup_ahead, synchronous
 from overlap_optim.testing import run_cases, selected_cases
 from sharders.refusals import refusal
 
 SYNCHRONOUS = ["TrainPipelineBase", "TrainPipelineSparseDist", "TrainPipelineSparseDistLite",
-               "TrainPipelineFusedSparseDist"]
+               "TrainPipelineFusedSparseDist", "PrefetchTrainPipelineSparseDist", "StagedTrainPipeline"]
 CASES = {
     **{name: partial(synchronous, pipeline=name) for name in SYNCHRONOUS},
     "semi_sync": semi_sync,
+    "staged_lookup_ahead": staged_lookup_ahead,
     "semi_sync/clipped": partial(semi_sync_refused, clip=True),
     "semi_sync/stash_gradients": partial(semi_sync_refused, stash=True),
     "pt2": partial(compiling, which="pt2"),
@@ -57,6 +61,12 @@ def test_semi_sync_is_exact_against_its_documented_order(ranks, case):
         assert out["moved"] > 1e-2, out["moved"]
         # the order matters: the synchronous run ends elsewhere, so the comparison can tell them apart
         assert out["gap_to_synchronous"] > 1e-3, out["gap_to_synchronous"]
+
+
+def test_staged_with_its_embedding_lookup_stage_is_exact_in_semi_syncs_order_with_one_clipping_round(ranks):
+    for rank, out in enumerate(ranks["staged_lookup_ahead"]):
+        assert max(out["diffs"]) <= 1e-6, f"rank {rank}: {out['diffs']}"
+        assert out["moved"] > 1e-2 and out["gap_to_unclipped"] > 1e-4, out
 
 
 REFUSAL = {"semi_sync/clipped": "semi_sync_clipping", "semi_sync/stash_gradients": "semi_sync_stash",
