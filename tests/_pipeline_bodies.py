@@ -70,7 +70,9 @@ class _CpuStream(torch.cpu.Stream):
     device = torch.device("cpu")
 
 
-def _built(rank: int, world_size: int, clip: float | None = None):
+def _built(rank: int, world_size: int, clip: float | None = None, tables_only: bool = False):
+    """Ours sharded (row_wise) and its unsharded copy; ``clip``: a clipping set over every parameter
+    (over the tables alone with ``tables_only``) with that bound."""
     model = _SharedModel()
     reference = copy.deepcopy(model)
     for name in NAMES:
@@ -78,7 +80,8 @@ def _built(rank: int, world_size: int, clip: float | None = None):
         overlap_optim.apply_optimizer_in_backward(cls, [model.ec.embeddings[name].weight], kwargs)
     overlap_optim.apply_optimizer_in_backward(HEAD[0], model.head.parameters(), HEAD[1])
     if clip is not None:
-        overlap_optim.apply_gradient_clipping(model.parameters(), max_norm=clip)
+        members = [model.ec.embeddings[n].weight for n in NAMES] if tables_only else model.parameters()
+        overlap_optim.apply_gradient_clipping(members, max_norm=clip)
     dmp = shard_like_reference(model, reference, list(NAMES), dict.fromkeys(NAMES, "row_wise"), world_size,
                                sharders.EmbeddingCollectionSharder())
     return dmp, overlap_optim.get_optimizers(dmp), reference
@@ -88,29 +91,33 @@ class _SemiSyncReference:
     """One process, on the global batch, in SemiSync's documented order: batch j is looked up with the
     tables as they were before batch j-1's update (after the updates of batches 0..j-2); its gradient
     then updates the tables as they are (after batch j-1's). The head is synchronous. With ``clip``,
-    the gradients of the tables and the head are clipped to that global norm before the step."""
+    the gradients of the tables and the head (the tables alone with ``tables_only``) are clipped to
+    that global norm before the step."""
 
-    def __init__(self, model: _SharedModel, clip: float | None = None) -> None:
+    def __init__(self, model: _SharedModel, clip: float | None = None, tables_only: bool = False) -> None:
         self.model, self.clip = model, clip
+        self.clipped = [model.ec.embeddings[n].weight for n in NAMES] if tables_only else list(model.parameters())
         self.opts = [cls([model.ec.embeddings[n].weight], **kw) for n, (cls, kw) in SETTINGS.items()]
         self.opts.append(HEAD[0](model.head.parameters(), **HEAD[1]))
         self.looked_up = copy.deepcopy(model.ec)  # the tables batch j looks up
         self.start = {n: model.ec.embeddings[n].weight.detach().clone() for n in NAMES}
 
-    def step(self, j: int, batch) -> None:
+    def step(self, j: int, batch, apply: bool = True) -> None:
+        """Batch ``j``; with ``apply`` False its gradients are held (added to the next batch's)."""
         tables = self.model.ec.embeddings
         before = {n: tables[n].weight.detach().clone() for n in NAMES}  # before batch j's update
         sequences = self.looked_up(batch.sparse_features)
         prediction = self.model.head(torch.cat([position_weighted(sequences[k]) for k in ("a", "b", "c")], dim=1))
         (prediction.squeeze(1) - batch.labels).pow(2).mean().backward()
-        for name in NAMES:
-            tables[name].weight.grad = self.looked_up.embeddings[name].weight.grad
-        if self.clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        for opt in self.opts:
-            opt.step()
-            opt.zero_grad()
-        self.looked_up.zero_grad()
+        if apply:
+            for name in NAMES:
+                tables[name].weight.grad = self.looked_up.embeddings[name].weight.grad
+            if self.clip is not None:
+                torch.nn.utils.clip_grad_norm_(self.clipped, self.clip)
+            for opt in self.opts:
+                opt.step()
+                opt.zero_grad()
+            self.looked_up.zero_grad()
         if j >= 1:  # batch j+1 is looked up before batch j's update: with the tables as they were before it
             with torch.no_grad():
                 for name in NAMES:
@@ -133,31 +140,49 @@ def _diff(dmp, reference: _SharedModel) -> float:
     return max(tables, *((state[f"head.{n}"] - p).abs().max().item() for n, p in reference.head.named_parameters()))
 
 
-def semi_sync(rank: int, world_size: int, steps: int = 4) -> dict:
-    """``TrainPipelineSemiSync(start_batch=0)`` against :class:`_SemiSyncReference`, compared after every
-    step."""
+def semi_sync(rank: int, world_size: int, steps: int = 3, micro: int = 2, clip: float = 0.05, reload_at: int = 1) -> dict:
+    """``TrainPipelineSemiSync(start_batch=0)`` against :class:`_SemiSyncReference`, with ``micro``
+    micro-batches a step (all but the last in ``no_step``), a clipping set over the tables (one module:
+    one backward pass of SemiSync) with a bound that binds, and the keyed optimizer's state dict saved
+    and loaded back after step ``reload_at``; compared after every micro-batch. Also how far the same
+    steps in synchronous order end from it."""
+    import io
+
     from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSemiSync
 
-    dmp, keyed, model = _built(rank, world_size)
+    dmp, keyed, model = _built(rank, world_size, clip=clip, tables_only=True)
     synchronous = copy.deepcopy(model)  # what SemiSync's order changes: the same steps, each batch looked up after
     sync_opts = [cls([synchronous.ec.embeddings[n].weight], **kw) for n, (cls, kw) in SETTINGS.items()]
     sync_opts.append(HEAD[0](synchronous.head.parameters(), **HEAD[1]))
-    reference = _SemiSyncReference(model)
-    batches = [_shared_batches(j, world_size) for j in range(steps)]
+    reference = _SemiSyncReference(model, clip=clip, tables_only=True)
+    unclipped = _SemiSyncReference(copy.deepcopy(model))  # the bound binds: it ends elsewhere
+    batches = [_shared_batches(j, world_size) for j in range(steps * micro)]
     diffs = []
     with cpu_streams():
         pipeline = TrainPipelineSemiSync(dmp, keyed, torch.device("cpu"), start_batch=0)
         local = iter([parts[rank] for parts in batches])
-        for j in range(steps):
-            pipeline.progress(local)
-            reference.step(j, _global_batch(batches[j]))
+        for j in range(steps * micro):
+            last = j % micro == micro - 1
+            with contextlib.nullcontext() if last else overlap_optim.no_step(dmp):
+                pipeline.progress(local)
+            reference.step(j, _global_batch(batches[j]), apply=last)
+            unclipped.step(j, _global_batch(batches[j]), apply=last)
             diffs.append(_diff(dmp, model))
             synchronous(_global_batch(batches[j]))[0].backward()
-            for opt in sync_opts:
-                opt.step()
-                opt.zero_grad()
+            if last:
+                torch.nn.utils.clip_grad_norm_([synchronous.ec.embeddings[n].weight for n in NAMES], clip)
+                for opt in sync_opts:
+                    opt.step()
+                    opt.zero_grad()
+            if last and j // micro == reload_at:
+                buffer = io.BytesIO()
+                torch.save(keyed.state_dict(), buffer)
+                buffer.seek(0)
+                keyed.load_state_dict(torch.load(buffer, weights_only=False))
     gap = max((synchronous.ec.embeddings[n].weight - model.ec.embeddings[n].weight).abs().max().item() for n in NAMES)
-    return {"diffs": diffs, "moved": reference.moved(), "gap_to_synchronous": gap}
+    unclipped_gap = max((unclipped.model.ec.embeddings[n].weight - model.ec.embeddings[n].weight).abs().max().item()
+                        for n in NAMES)
+    return {"diffs": diffs, "moved": reference.moved(), "gap_to_synchronous": gap, "gap_to_unclipped": unclipped_gap}
 
 
 def staged_lookup_ahead(rank: int, world_size: int, steps: int = 4, clip: float = 0.05) -> dict:

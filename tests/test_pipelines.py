@@ -9,7 +9,8 @@
 - ``StagedTrainPipeline`` with its embedding-lookup stage is semi-synchronous: exact against SemiSync's order,
   clipped by one global norm a step (its one backward pass).
 - ``TrainPipelineSemiSync`` is exact against its documented order, written as a one-process reference:
-  batch j is looked up with the tables as they were before batch j-1's update.
+  batch j is looked up with the tables as they were before batch j-1's update; with a clipping set over the
+  tables (one backward pass), two micro-batches a step (``no_step``) and the state dict reloaded mid-run.
 - Under SemiSync, a clipping set that spans the dense part and the tables (or the tables of two
   modules) is refused at the first lookup, on every rank, with nothing changed: SemiSync's separate
   backward passes would each clip by a norm of their own (on the main of 2026-11-27: silently, up to
@@ -61,6 +62,7 @@ def test_semi_sync_is_exact_against_its_documented_order(ranks, case):
         assert out["moved"] > 1e-2, out["moved"]
         # the order matters: the synchronous run ends elsewhere, so the comparison can tell them apart
         assert out["gap_to_synchronous"] > 1e-3, out["gap_to_synchronous"]
+        assert out["gap_to_unclipped"] > 1e-4, out["gap_to_unclipped"]  # the bound binds
 
 
 def test_staged_with_its_embedding_lookup_stage_is_exact_in_semi_syncs_order_with_one_clipping_round(ranks):
