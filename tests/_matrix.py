@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import hashlib
 import io
 import math
@@ -42,6 +43,8 @@ from torchrec import (
     DataType, EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor,
     PoolingType,
 )
+
+from torchrec.streamable import Pipelineable
 
 from _models import without_compiled_operators
 
@@ -157,6 +160,10 @@ class Config:
     # the compiled operators (overlap_optim/csrc) as built; False: as where they were not (every caller's
     # pure-torch path, FBGEMM's own backward for fused tables)
     compiled: bool = True
+    # the loop: None (forward, backward and the step by hand), or a TorchRec train pipeline that runs them
+    # ("TrainPipelineSparseDist", "TrainPipelineSparseDistLite", "TrainPipelineBase"), one per step's
+    # micro-batches (the last one's backward steps; the others' in no_step, as by hand)
+    pipeline: str | None = None
     steps: int = 3
     seed: int = 0
 
@@ -210,13 +217,36 @@ class Model(nn.Module):
             out[t.key] = (module.embedding_bags if t.bagged else module.embeddings)[t.name]
         return out
 
-    def forward(self, kjts: dict[str, KeyedJaggedTensor]) -> torch.Tensor:
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss and the prediction, as TorchRec's train pipelines take them. Written for
+        ``torch.fx`` (the pipelines trace it to find what each sharded collection is given): each
+        collection's KJT is read from the batch by name."""
         parts = {}
-        for collection, kjt in kjts.items():
-            out = getattr(self, collection)(kjt)
+        for collection in self.config.collections():
+            out = getattr(self, collection)(batch.kjts[collection])
             for f in self.config.features(collection):
                 parts[f] = _position_weighted(out[f].lengths(), out[f].values()) if collection == "ec" else out[f]
-        return self.dense(torch.cat([parts[f] for f in self.config.features()], dim=1)).squeeze(1)
+        prediction = self.dense(torch.cat([parts[f] for f in self.config.features()], dim=1)).squeeze(1)
+        return _loss(prediction, batch.target), prediction
+
+
+class Batch(Pipelineable):
+    """One rank's micro-batch as the model takes it: a KJT per collection, and the targets."""
+
+    def __init__(self, kjts: dict[str, KeyedJaggedTensor], target: torch.Tensor) -> None:
+        self.kjts, self.target = kjts, target
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
+        return Batch({k: v.to(device=device, non_blocking=non_blocking) for k, v in self.kjts.items()},
+                     self.target.to(device=device, non_blocking=non_blocking))
+
+    def record_stream(self, stream: Any) -> None:
+        for kjt in self.kjts.values():
+            kjt.record_stream(stream)
+        self.target.record_stream(stream)
+
+    def pin_memory(self) -> Batch:
+        return self
 
 
 class Reference(nn.Module):
@@ -541,6 +571,7 @@ class Ours:
                     param.zero_()
             self._copy_dense(model.dense.parameters())
         self.other_plan = other_plan
+        self.pipeline = None  # made at the first step (config.pipeline)
 
     def _copy_dense(self, params: Any) -> None:
         from torch.distributed.tensor import DTensor, distribute_tensor
@@ -611,11 +642,20 @@ class Ours:
     def step(self, micro_batches: list[dict[str, Any]]) -> None:
         import overlap_optim
 
+        batches = [Batch(kjts(self.config, b), b["target"]) for b in micro_batches]
+        if self.config.pipeline is not None:
+            if self.pipeline is None:
+                from torchrec.distributed.train_pipeline import train_pipelines
+
+                self.pipeline = getattr(train_pipelines, self.config.pipeline)(self.dmp, self.keyed, torch.device("cpu"))
+            remaining = iter(batches)
+            backward = functools.partial(self.pipeline.progress, remaining)  # forward, backward, keyed.step()
+        else:
+            remaining = iter(batches)
+            backward = lambda: self.dmp(next(remaining))[0].backward()  # noqa: E731
         try:
-            for index, batch in enumerate(micro_batches):
-                def backward() -> None:
-                    _loss(self.dmp(kjts(self.config, batch)), batch["target"]).backward()
-                if index < len(micro_batches) - 1:
+            for index in range(len(batches)):
+                if index < len(batches) - 1:
                     with overlap_optim.no_step(self.dmp):
                         backward()
                 else:
@@ -628,7 +668,8 @@ class Ours:
             if self.user is not None:
                 self.user.zero_grad()
             return
-        self.keyed.step()
+        if self.config.pipeline is None:
+            self.keyed.step()
         if self.user is not None:
             self.user.step()
             self.user.zero_grad()
@@ -864,8 +905,11 @@ def train(rank: int, world_size: int, config: Config, directory: str, resume: bo
             ulp[t.key] = max(ulp.get(t.key, 0.0), _flipped_state(OPTIMIZERS[t.optimizer][1]["lr"], config))
     if dense_state["flipped"]:  # the MLP's next updates, and through them every table's, moved by a flipped element
         ulp = {key: max(ulp.get(key, 0.0), _flipped_state(DENSE_OPTIMIZER[1]["lr"], config)) for key in diffs}
+    # the sharded collections the pipeline runs the input dist of ahead (TorchRec leaves out what it cannot trace)
+    pipelined = None if ours.pipeline is None else len(ours.pipeline._pipelined_modules)
     return {"outcome": "exact", "diffs": diffs, "moved": moved, "noise": noise, "from_exact": from_exact, "ulp": ulp,
-            "dense_state": dense_state, "resume": config.checkpoint == "one_rank" and not resume}
+            "dense_state": dense_state, "resume": config.checkpoint == "one_rank" and not resume,
+            "pipelined": pipelined}
 
 
 def _state_dtype(bf16: bool) -> torch.dtype | None:

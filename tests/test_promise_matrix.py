@@ -9,7 +9,8 @@ the MLP; clipping by norm or value over a set (by norm over everything, a step w
 refused and skipped), ``no_step`` micro-batches, a scheduler, a checkpoint mid-run (in place, ``torch.save`` into fresh objects,
 ``overlap_optim.checkpoint`` under another plan or on one rank, a rollback, plain DCP under the same plan or another,
 ``load_state_dict`` under another plan); a model built on meta (handed to DMP,
-materialized, or moved by ``to_empty``); VBE batches, declared; 1 or 2 ranks. Each example runs in the spawned
+materialized, or moved by ``to_empty``); VBE batches, declared; the loop by hand or through TorchRec's
+``TrainPipelineSparseDist`` or ``TrainPipelineSparseDistLite``; 1 or 2 ranks. Each example runs in the spawned
 group that the previous one left (:func:`overlap_optim.testing.run_cases`).
 
 CI runs the "ci" profile: a fixed set of examples (tests/conftest.py). ``make test-matrix`` runs
@@ -108,6 +109,7 @@ def configs(draw) -> Config:
     if clip is not None and clip[1] == "tables" and all(t.optimizer == "frozen" for t in drawn):
         clip = None  # an empty set: nothing to clip
     dense_part = draw(st.sampled_from(["hook", "fsdp", "user", "user_ddp"]))
+    non_finite = clip == ("norm", "everything") and draw(st.booleans())
     return Config(
         tables=tuple(drawn), world_size=draw(st.sampled_from([2, 2, 1])), weighted=weighted, cover=cover,
         qualified=draw(st.booleans()),
@@ -117,7 +119,7 @@ def configs(draw) -> Config:
             (("momentum", 0.5),), (("output_dtype", "FP16"),),
         ])),
         dense_part=dense_part, clip=clip, micro=draw(st.sampled_from([1, 1, 2])),
-        non_finite=clip == ("norm", "everything") and draw(st.booleans()),
+        non_finite=non_finite,
         # the annotated MLP's Adam with BF16 state, as the tables' (state_bf16)
         dense_state_bf16=dense_part in ("hook", "fsdp") and draw(st.sampled_from([False] * 4 + [True])),
         schedule=draw(st.booleans()),
@@ -126,6 +128,11 @@ def configs(draw) -> Config:
         meta=draw(st.sampled_from([None] * 12 + ["dmp", "materialize", "to_empty"])), seed=draw(st.integers(0, 1000)),
         vbe="ec" not in collections and draw(st.sampled_from([False] * 4 + [True])),
         compiled=draw(st.sampled_from([True] * 3 + [False])),
+        # the synchronous pipelines that take a new iterator each step (Base stops for good at the end of
+        # one); the others, SemiSync's order among them, in tests/test_pipelines.py. A step whose norm is
+        # not finite raises inside progress(), which then repeats the batch: not drawn with one
+        pipeline=None if clip == ("norm", "everything") and non_finite else draw(st.sampled_from(
+            [None] * 4 + ["TrainPipelineSparseDist", "TrainPipelineSparseDistLite"])),
     )
 
 
@@ -324,6 +331,13 @@ def directory():
                        micro=2, checkpoint="in_place"))
 @example(config=Config((T("t0", "ebc", 9, "row_wise", "rowwise_adagrad"), T("s0", "ec", 5, "table_wise", "sgd")),
                        clip=("norm", "everything"), non_finite=True, dense_part="fsdp", schedule=True, compiled=False))
+# TorchRec's train pipelines run the loop (the input dist of the next micro-batch ahead): in a window, clipped,
+# through checkpoints into fresh objects and under another plan, with VBE and FSDP2.
+@example(config=Config((T("t0", "ebc", 7, "row_wise", "adam"), T("s0", "ec", 5, "table_wise", "adagrad", shared=True)),
+                       pipeline="TrainPipelineSparseDist", micro=2, clip=("norm", "everything"), checkpoint="torch_save"))
+@example(config=Config((T("t0", "ebc", 7, "row_wise", "adam"), T("t1", "ebc", 9, "column_wise", "lamb"),
+                        T("t2", "ebc", 5, "data_parallel", "sgd_momentum")), pipeline="TrainPipelineSparseDistLite",
+                       dense_part="fsdp", schedule=True, checkpoint="other_plan", vbe=True, weighted=True, cover=False))
 def test_exact_or_refused(config: Config, directory: str) -> None:
     name = hashlib.sha1(repr(config).encode()).hexdigest()[:10]
     if os.environ.get("MATRIX_LOG"):  # each example as it starts: a run that stalls shows where
@@ -354,6 +368,8 @@ def test_exact_or_refused(config: Config, directory: str) -> None:
     for rank, out in enumerate(per_rank):
         assert out["outcome"] == "exact", f"{config}, rank {rank}: refused, and docs/refusals.md lists no such " \
                                           f"refusal: {out['stage']}: {out['error']}"
+        if config.pipeline is not None:  # the pipeline ran the input dist ahead, not only the loop
+            assert out["pipelined"] == len(config.collections()), f"{config}, rank {rank}: {out['pipelined']}"
         if config.dense_state_bf16:  # the MLP's state is kept in BF16, the reference's state rounded (one unit
             # apart where a float32 value near a tie rounds the other way here: rare)
             state = out["dense_state"]
