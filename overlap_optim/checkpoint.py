@@ -50,7 +50,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from overlap_optim import local_sgd
 from overlap_optim._state_schema import PLACEHOLDERS, agree
 from overlap_optim._private import Shard, ShardedTensor, sharded_tensor_from_local_shards, sharded_tensor_process_group
-from overlap_optim.keyed import ddp_prefixes, unwrapped_name
+from overlap_optim.keyed import ddp_prefixes, unwrapped_name, unwrapped_path
+from overlap_optim.record import module_record_of
 from overlap_optim.torchrec_checkpoint import from_torchrec
 
 __all__ = ["save", "load", "latest", "CheckpointError", "LoadPlanner", "refuse_other_dtypes", "from_torchrec"]
@@ -216,6 +217,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra:
         init_state()
     try:
         scratch = _read_validated(directory, model, optimizer)
+        _run_load_checks(model, scratch["model"])
         local = _read_rank_local(directory)
         if local is not None:  # taken between averagings: this rank's own dense state
             scratch["model"].update(local["params"])
@@ -234,6 +236,20 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any, extra:
         if hasattr(obj, "load_state_dict") and name in saved_extra:
             obj.load_state_dict(saved_extra[name])
     return saved_extra
+
+
+def _run_load_checks(model: torch.nn.Module, state: Mapping[str, Any]) -> None:
+    """The checks sharders installed on ``model``'s modules (their records' ``load_checks``), each on
+    the part of the model state (``state``, under unwrapped names) below its module."""
+    prefixes = ddp_prefixes(model)
+    for path, module in model.named_modules():
+        found = module_record_of(module)
+        if found is None or not found.load_checks:
+            continue
+        start = unwrapped_name(unwrapped_path(path + "."), prefixes) if path else ""  # "" under DMP's root too
+        below = {k[len(start):]: v for k, v in state.items() if k.startswith(start)}
+        for check in found.load_checks:
+            check(below)
 
 
 def _read_validated(directory: Path, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:

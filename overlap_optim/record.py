@@ -61,6 +61,9 @@ class ModuleRecord:
     keyed_optimizers: Any = None  # keyed's optimizers checked before a forward
     window: Any = None  # accumulation.Window: of a model (window_of), or of the model of a sharded module
     checks_load_dtypes: bool = False  # sharders.weight_dtypes' load_state_dict pre-hook is on this model's root
+    # checks a sharder asks checkpoint.load to run on the model's state read from a checkpoint (keys
+    # relative to this module) before anything is loaded; each raises, naming what it refuses
+    load_checks: list[Any] = dataclasses.field(default_factory=list)
 
 
 def record_of(param: torch.Tensor) -> ParamRecord | None:

@@ -34,7 +34,7 @@ __all__ = [
     "model_being_sharded", "divide_only_row_split_means", "uses_index_dedup", "data_parallel_wrapper",
     "reservation_percentage", "record_reservation", "replace_enumerator", "optimizer_classes_hidden",
     "annotations_read_as", "comm_hook_left_to_us", "recast_kernel", "replace_lookup", "run_first_on_load",
-    "managed_collision_being_built", "mc_collection_of", "table_init_fn", "semi_sync_pipeline", "stashes_gradients", "pipeline_model",
+    "managed_collision_being_built", "mc_collection_of", "table_init_fn", "remapping_layouts", "semi_sync_pipeline", "stashes_gradients", "pipeline_model",
 ]
 
 # The name under which DistributedModelParallel registers the module it wraps.
@@ -261,6 +261,17 @@ def mc_collection_of(module: nn.Module) -> nn.Module:
     """The collection (EBC or EC) inside a managed-collision collection, sharded or not. Private:
     ``BaseManagedCollisionEmbeddingCollection._embedding_module`` (and the sharded one's)."""
     return module._embedding_module
+
+
+def remapping_layouts(sharded: nn.Module) -> dict[str, torch.Tensor]:
+    """State-dict key (relative to a sharded managed-collision collection) -> the buffer in which each
+    table's managed-collision module keeps its row shards' output segments. Private: the buffer
+    ``_output_segments_tensor`` of TorchRec's ``ManagedCollisionModule``."""
+    return {key: value for key, value in sharded.state_dict(keep_vars=True).items()
+            if key.endswith("." + _OUTPUT_SEGMENTS)}
+
+
+_OUTPUT_SEGMENTS = "_output_segments_tensor"
 
 
 def table_init_fn(sharded: nn.Module, table: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -597,6 +608,8 @@ PRIVATE_APIS: dict[str, Callable[[], object]] = {
         lambda: _mentions("torchrec.distributed.mc_embedding_modules", "e_sharder.shard(")
     ),
     "BaseShardedManagedCollisionEmbeddingCollection._embedding_module, ._evict": _probe_managed_collision,
+    "ManagedCollisionModule._output_segments_tensor (a buffer)": lambda: _mentions(
+        "torchrec.modules.mc_modules", f'"{_OUTPUT_SEGMENTS}"'),
     "BaseManagedCollisionEmbeddingCollection._embedding_module": lambda: _mentions(
         "torchrec.modules.mc_embedding_modules", "self._embedding_module"),
     **{f"{cls.__name__}._table_name_to_config": (lambda cls=cls: _set_by(cls, "_table_name_to_config")) for cls in (

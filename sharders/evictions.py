@@ -21,6 +21,7 @@ DMP did not shard with ours.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 
 from overlap_optim import plans
+from overlap_optim.record import module_record
 from sharders import _private
 from sharders.kernels import KernelKind, TableKernel
 
@@ -48,7 +50,40 @@ _INSTEAD = (
 
 class _ExactEviction:
     """The eviction of TorchRec's sharded managed-collision collection, with each evicted slot's
-    optimizer state made a fresh row's (see the module doc)."""
+    optimizer state made a fresh row's (see the module doc); and the row shards its remapping was
+    built for, kept: each shard's managed-collision module remaps ids into its own slots, and a
+    checkpoint of other shards, merged by TorchRec, would not remap as it did (measured: 2 ranks
+    resumed on 1, 3.2-4.1 off the reference)."""
+
+    def keep_layout(self) -> None:
+        """Remember the output segments of each table's remapping as sharded (copies)."""
+        self.layout = {key: value.detach().clone() for key, value in _private.remapping_layouts(self).items()}
+
+    def refuse_other_layout(self, state: Any, prefix: str = "", start: str = "") -> None:
+        """Raise ValueError, naming the table, if ``state`` (keys ``prefix + start + <key below this
+        module>``) holds a remapping split into other row shards than this one."""
+        for key, value in self.layout.items():
+            saved = state.get(prefix + start + key)
+            if saved is not None and not torch.equal(torch.as_tensor(saved), value):
+                self._refuse(key, torch.as_tensor(saved))
+
+    def compute(self, ctx: Any, dist_input: Any) -> Any:
+        """TorchRec's, after checking that no load (``dcp.load`` writes buffers in place) replaced the
+        remapping's row shards."""
+        for key, value in _private.remapping_layouts(self).items():
+            if not torch.equal(value, self.layout[key]):
+                self._refuse(key, value)
+        return super().compute(ctx, dist_input)
+
+    def _refuse(self, key: str, saved: torch.Tensor) -> None:
+        def starts(t: torch.Tensor) -> list[int]:
+            return [int(x) for x in t.tolist() if x >= 0][:-1]
+        raise ValueError(
+            f"managed-collision table {key.rsplit('.', 2)[-2]!r}: the state dict was saved with its rows in the shards "
+            f"starting at {starts(saved)}, this model splits them at {starts(self.layout[key])}: each shard remaps ids "
+            "into its own slots, so the remapping would not go on as it did. Load it on the world size and plan it "
+            "was saved with"
+        )
 
     def _evict(self, evictions_per_table: dict[str, torch.Tensor | None]) -> None:
         inner = _private.mc_collection_of(self)
@@ -92,7 +127,12 @@ class EvictingSharder:
         if _private.model_being_sharded() is None:  # else check_model checked it before the first module
             check_evictable(self.collection_sharder._table_kernels(
                 _private.mc_collection_of(module), params, device.type, module_fqn or ""), module_fqn or "")
-        return self.sharded_class(module, params, self.collection_sharder, self.remapping_sharder, env=env, device=device)
+        sharded = self.sharded_class(module, params, self.collection_sharder, self.remapping_sharder, env=env,
+                                     device=device)
+        sharded.keep_layout()
+        whole = _private.model_being_sharded()
+        _install_layout_check(sharded, whole.root if whole is not None else None, module_fqn or "")
+        return sharded
 
 
 def check_evictable(kernels: dict[str, TableKernel], path: str) -> None:
@@ -152,3 +192,14 @@ def refuse_managed_collision_sharding(module: nn.Module, whole: Any, path: str) 
             f"{type(module).__name__}{where}, the collection inside a managed-collision collection, handed to "
             f"overlap-optim's collection sharder while TorchRec builds its {type(around).__name__}: {_INSTEAD}"
         )
+
+
+def _install_layout_check(sharded: nn.Module, root: nn.Module | None, path: str) -> None:
+    """Make loads into ``sharded`` (at ``path`` in ``root``, the model DMP shards; None: none) refuse
+    a checkpoint whose tables were split into other row shards (:meth:`_ExactEviction.refuse_other_layout`):
+    a ``load_state_dict`` pre-hook (on the root under DMP: nothing of the model loaded first), and a
+    check :func:`overlap_optim.checkpoint.load` runs before it loads anything."""
+    owner, start = (root, f"{path}.") if root is not None and path else (sharded, "")
+    check = functools.partial(sharded.refuse_other_layout, start=start)
+    _private.run_first_on_load(owner, lambda module, state, prefix, *rest: check(state, prefix))
+    module_record(owner).load_checks.append(check)

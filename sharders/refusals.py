@@ -232,6 +232,17 @@ REFUSALS: tuple[Refusal, ...] = (
         sampled=False,
     ),
     Refusal(
+        "managed_collision_reshard",
+        "a checkpoint of managed-collision tables loaded into other row shards (another world size or plan)",
+        "load (overlap_optim.checkpoint.load: before anything changes; load_state_dict, dcp.load: before it "
+        "loads, after dcp.load wrote the tensors in place; and every forward after)",
+        "each row shard's managed-collision module remaps ids into its own slots; TorchRec merges the saved "
+        "slots, and the merged remapping does not go on as it did (2 ranks resumed on 1: 3.2-4.1 off)",
+        "load it on the world size and plan it was saved with",
+        r"managed-collision table '.*': the state dict was saved with its rows in the shards",
+        sampled=False,
+    ),
+    Refusal(
         "two_dimensional",
         "2D sparse parallelism: TorchRec's DMPCollection (a ShardingEnv2D) with our sharders or data-parallel wrappers",
         "shard",

@@ -268,3 +268,65 @@ def checkpoint_into_a_fresh_model(rank: int, world_size: int, case: str = "ebc_a
         ref.step(parts)
         diffs.append(_diff(fresh, ref))
     return {"diffs": diffs, "remapping": remapping, "evicted": len(ref.evicted)}
+
+
+def _global(parts) -> tuple[KeyedJaggedTensor, torch.Tensor]:
+    """Every rank's samples, rank after rank: what one rank trains on in their place."""
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=torch.cat([p[0].values() for p in parts]),
+                                              lengths=torch.cat([p[0].lengths() for p in parts]))
+    return kjt, torch.cat([p[1] for p in parts])
+
+
+def resharded_save(rank: int, world_size: int, directory: str, case: str = "ebc_adam_dense", steps: int = 3) -> dict:
+    """The first half of :func:`resharded_resume`: ``steps`` steps on ``world_size`` ranks beside the
+    reference, then ``overlap_optim.checkpoint.save``."""
+    from overlap_optim import checkpoint
+
+    dmp, opt, ref = build(rank, world_size, case)
+    diffs = []
+    for parts in batches(2 * steps, world_size, wide=(0, steps))[:steps]:
+        loss_of(dmp, parts[rank]).backward()
+        ref.step(parts)
+        diffs.append(_diff(dmp, ref))
+    checkpoint.save(directory, dmp, opt, {})
+    return {"diffs": diffs}
+
+
+def resharded_resume(rank: int, world_size: int, directory: str, case: str = "ebc_adam_dense") -> dict:
+    """A model sharded for ``world_size`` (1) meets what :func:`resharded_save` wrote on 2 ranks: each
+    shard's module remaps into its own slots, and TorchRec would merge the saved slots (measured: the
+    merged run ends 3.2-4.1 off the reference), so it is refused. Returns the error of
+    ``overlap_optim.checkpoint.load`` and whether the model and the optimizer are as before; the error
+    of ``dcp.load`` of the objects (which writes the model's tensors in place before its
+    ``load_state_dict`` refuses), and that of the next forward."""
+    import torch.distributed.checkpoint as dcp
+
+    from overlap_optim import checkpoint
+
+    dmp, opt, _ = build(rank, world_size, case)
+    before = (_copied(dmp.state_dict()), _copied(opt.state_dict()))
+
+    def error_of(call) -> str:
+        try:
+            call()
+            return "no error"
+        except ValueError as err:
+            return str(err)
+    ours = error_of(lambda: checkpoint.load(directory, dmp, opt, {}))
+    unchanged = before == (_copied(dmp.state_dict()), _copied(opt.state_dict()))
+    path = str(checkpoint.latest(directory))
+    plain = error_of(lambda: dcp.load({"model": dmp}, checkpoint_id=path, planner=checkpoint.LoadPlanner()))
+    kjt, target = _global(batches(1, 2)[0])
+    forward = error_of(lambda: loss_of(dmp, (kjt, target)))
+    return {"checkpoint.load": ours, "unchanged": unchanged, "dcp.load": plain, "forward": forward}
+
+
+def _copied(state: dict) -> dict:
+    """Comparable copies of a state dict's values (a ShardedTensor's local shards, nested dicts)."""
+    if isinstance(state, dict):
+        return {k: _copied(v) for k, v in state.items()}
+    if hasattr(state, "local_shards"):
+        return tuple(s.tensor.clone().tolist() for s in state.local_shards())
+    if isinstance(state, torch.Tensor):
+        return state.clone().tolist()
+    return state

@@ -11,6 +11,7 @@ each rank); inside TorchRec's MC sharder an evicted slot's new id inherited the 
 from __future__ import annotations
 
 import functools
+import tempfile
 
 import pytest
 
@@ -18,7 +19,9 @@ from _managed_collision_bodies import (
     column_state, inside_torchrecs_managed_collision_sharder, our_planner, our_sharder_on_the_inner_collection,
     torchrecs_collection_sharder_inside_ours, unannotated,
 )
-from _managed_collision_exact import SETTINGS, checkpoint_into_a_fresh_model, exact_cases
+from _managed_collision_exact import (
+    SETTINGS, checkpoint_into_a_fresh_model, exact_cases, resharded_resume, resharded_save,
+)
 from overlap_optim.testing import run_cases, selected_cases
 from sharders.refusals import refusal
 
@@ -36,6 +39,8 @@ CASES = {
     "exact": exact_cases,
     "checkpoint": checkpoint_into_a_fresh_model,
 }
+DIRECTORY = tempfile.mkdtemp(prefix="overlap-mc-")  # made in the parent: the 2 ranks write, 1 rank reads
+CASES["reshard_save"] = functools.partial(resharded_save, directory=DIRECTORY)
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +93,19 @@ def test_our_managed_collision_sharder_refuses_torchrecs_collection_sharder_insi
     assert error.startswith("ValueError: ManagedCollisionEmbeddingBagCollectionSharder: ebc_sharder must be "
                             "overlap-optim's collection sharder"), error
     assert "not EmbeddingBagCollectionSharder" in error, error
+
+
+def test_a_checkpoint_of_other_row_shards_is_refused_by_name_whatever_loads_it(ranks):
+    """Saved on 2 ranks (exact until then), loaded on 1: each shard's module remaps into its own
+    slots, and TorchRec merges them. ``overlap_optim.checkpoint.load`` refuses with nothing changed;
+    ``dcp.load`` of the objects writes the model's tensors in place before its ``load_state_dict``
+    refuses, and the next forward refuses too."""
+    assert all(max(out["diffs"]) <= 1e-5 for out in ranks["reshard_save"]), ranks["reshard_save"]
+    out = run_cases({"reshard_resume": functools.partial(resharded_resume, directory=DIRECTORY)},
+                    world_size=1, timeout=300)["reshard_resume"][0]
+    expected = "managed-collision table 't': the state dict was saved with its rows in the shards starting at [0, 4], " \
+               "this model splits them at [0]"
+    for call in ("checkpoint.load", "dcp.load", "forward"):
+        assert out[call].startswith(expected), (call, out[call])
+        assert refusal("managed_collision_reshard").matches(out[call])
+    assert out["unchanged"], out
