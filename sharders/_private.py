@@ -34,7 +34,7 @@ __all__ = [
     "model_being_sharded", "divide_only_row_split_means", "uses_index_dedup", "data_parallel_wrapper",
     "reservation_percentage", "record_reservation", "replace_enumerator", "optimizer_classes_hidden",
     "annotations_read_as", "comm_hook_left_to_us", "recast_kernel", "replace_lookup", "run_first_on_load",
-    "managed_collision_being_built", "mc_collection_of", "table_init_fn", "remapping_layouts", "semi_sync_pipeline", "stashes_gradients", "pipeline_model",
+    "managed_collision_being_built", "mc_collection_of", "table_init_fn", "remapping_layouts", "reread_remapping_count", "semi_sync_pipeline", "stashes_gradients", "pipeline_model",
 ]
 
 # The name under which DistributedModelParallel registers the module it wraps.
@@ -272,6 +272,20 @@ def remapping_layouts(sharded: nn.Module) -> dict[str, torch.Tensor]:
 
 
 _OUTPUT_SEGMENTS = "_output_segments_tensor"
+
+
+def reread_remapping_count(sharded: nn.Module) -> None:
+    """Make each managed-collision module of ``sharded`` start its count of iterations again from its
+    ``_current_iter_tensor`` buffer at its next profile (as a freshly built one does), with no ids
+    held since its last eviction. Private: TorchRec's ``MCHManagedCollisionModule._current_iter``
+    (``-1``: read the buffer) and ``._current_history_buffer_offset``, which a ``load_state_dict``
+    leaves as they were."""
+    from torchrec.modules.mc_modules import MCHManagedCollisionModule
+
+    for module in sharded.modules():
+        if isinstance(module, MCHManagedCollisionModule):
+            module._current_iter = -1
+            module._current_history_buffer_offset = 0
 
 
 def table_init_fn(sharded: nn.Module, table: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -565,6 +579,13 @@ def _probe_run_first_on_load() -> object:
 
 # name -> a function that returns the private object (raises if it is gone). Instance
 # attributes are checked in the code of the class that sets them: no instance is needed.
+def _probe_remapping_count() -> str:
+    from torchrec.modules.mc_modules import MCHManagedCollisionModule
+
+    _mentions("torchrec.modules.mc_modules", "if self._current_iter == -1:")
+    return _set_by(MCHManagedCollisionModule, "_current_history_buffer_offset")
+
+
 def _probe_managed_collision() -> str:
     from torchrec.distributed.mc_embedding_modules import BaseShardedManagedCollisionEmbeddingCollection as cls
 
@@ -608,6 +629,8 @@ PRIVATE_APIS: dict[str, Callable[[], object]] = {
         lambda: _mentions("torchrec.distributed.mc_embedding_modules", "e_sharder.shard(")
     ),
     "BaseShardedManagedCollisionEmbeddingCollection._embedding_module, ._evict": _probe_managed_collision,
+    "MCHManagedCollisionModule._current_iter (-1: read _current_iter_tensor), ._current_history_buffer_offset":
+        _probe_remapping_count,
     "ManagedCollisionModule._output_segments_tensor (a buffer)": lambda: _mentions(
         "torchrec.modules.mc_modules", f'"{_OUTPUT_SEGMENTS}"'),
     "BaseManagedCollisionEmbeddingCollection._embedding_module": lambda: _mentions(

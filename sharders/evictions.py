@@ -56,8 +56,12 @@ class _ExactEviction:
     resumed on 1, 3.2-4.1 off the reference)."""
 
     def keep_layout(self) -> None:
-        """Remember the output segments of each table's remapping as sharded (copies)."""
+        """Remember the output segments of each table's remapping as sharded (copies); and, after every
+        load, count iterations again from the loaded count, as a fresh module does (TorchRec's keeps
+        counting from where it was: a state dict loaded back in place, one step later, remapped 0.43
+        off the uninterrupted run)."""
         self.layout = {key: value.detach().clone() for key, value in _private.remapping_layouts(self).items()}
+        self.register_load_state_dict_post_hook(lambda module, incompatible: _private.reread_remapping_count(module))
 
     def refuse_other_layout(self, state: Any, prefix: str = "", start: str = "") -> None:
         """Raise ValueError, naming the table, if ``state`` (keys ``prefix + start + <key below this

@@ -330,3 +330,26 @@ def _copied(state: dict) -> dict:
     if isinstance(state, torch.Tensor):
         return state.clone().tolist()
     return state
+
+
+def rolled_back_in_place(rank: int, world_size: int, case: str = "ebc_adagrad_fused", steps: int = 3) -> dict:
+    """``steps`` steps beside the reference; the state dicts saved (torch.save), one step more, then
+    loaded back in place, and ``steps`` more beside the reference (which never took the extra step)."""
+    dmp, opt, ref = build(rank, world_size, case)
+    data = batches(2 * steps, world_size)
+    for parts in data[:steps]:
+        loss_of(dmp, parts[rank]).backward()
+        ref.step(parts)
+    buffer = io.BytesIO()
+    torch.save({"model": dmp.state_dict(), "optim": opt.state_dict()}, buffer)
+    loss_of(dmp, data[steps][rank]).backward()  # the step the rollback undoes
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+    dmp.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optim"])
+    diffs = []
+    for parts in data[steps:]:
+        loss_of(dmp, parts[rank]).backward()
+        ref.step(parts)
+        diffs.append(_diff(dmp, ref))
+    return {"diffs": diffs, "evicted": len(ref.evicted)}

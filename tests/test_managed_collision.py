@@ -20,7 +20,7 @@ from _managed_collision_bodies import (
     torchrecs_collection_sharder_inside_ours, unannotated,
 )
 from _managed_collision_exact import (
-    SETTINGS, checkpoint_into_a_fresh_model, exact_cases, resharded_resume, resharded_save,
+    SETTINGS, checkpoint_into_a_fresh_model, exact_cases, resharded_resume, resharded_save, rolled_back_in_place,
 )
 from overlap_optim.testing import run_cases, selected_cases
 from sharders.refusals import refusal
@@ -38,6 +38,7 @@ CASES = {
     "stock_inner_sharder": torchrecs_collection_sharder_inside_ours,
     "exact": exact_cases,
     "checkpoint": checkpoint_into_a_fresh_model,
+    "rollback": rolled_back_in_place,
 }
 DIRECTORY = tempfile.mkdtemp(prefix="overlap-mc-")  # made in the parent: the 2 ranks write, 1 rank reads
 CASES["reshard_save"] = functools.partial(resharded_save, directory=DIRECTORY)
@@ -61,6 +62,12 @@ def test_our_managed_collision_sharders_equal_torch_optim_with_evicted_rows_rese
 def test_a_checkpoint_keeps_the_remapping_and_resumes_exactly_in_a_fresh_model(ranks):
     for rank, out in enumerate(ranks["checkpoint"]):
         assert {"_mch_sorted_raw_ids", "_mch_remapped_ids_mapping", "_mch_counts"} <= set(out["remapping"]), out
+        assert out["evicted"] > 0 and max(out["diffs"]) <= 1e-5, f"rank {rank}: {out['diffs']}"
+
+
+def test_a_state_dict_loaded_back_in_place_a_step_later_resumes_exactly(ranks):
+    """TorchRec's MCH module kept counting iterations from where it was: 0.43 off the uninterrupted run."""
+    for rank, out in enumerate(ranks["rollback"]):
         assert out["evicted"] > 0 and max(out["diffs"]) <= 1e-5, f"rank {rank}: {out['diffs']}"
 
 
