@@ -231,16 +231,37 @@ def exact(rank: int, world_size: int, case: str, steps: int = 6) -> dict:
     """``steps`` steps side by side; per step the largest difference, and how far the reference moved."""
     dmp, _, ref = build(rank, world_size, case)
     start = ref.weight.detach().clone()
-    diffs = []
-    for parts in batches(steps, world_size):
-        loss_of(dmp, parts[rank]).backward()
-        ref.step(parts)
-        diffs.append(_diff(dmp, ref))
+    diffs = _beside(dmp, ref, rank, batches(steps, world_size))
     return {"diffs": diffs, "moved": (ref.weight.detach() - start).abs().max().item(), "evicted": len(ref.evicted)}
 
 
 def exact_cases(rank: int, world_size: int) -> dict:
     return {case: exact(rank, world_size, case) for case in SETTINGS}
+
+
+def _beside(dmp, ref: _Reference, rank: int, data) -> list[float]:
+    """A step of ours (this rank's part) and of the reference (the global batch) per entry of ``data``;
+    the difference after each."""
+    diffs = []
+    for parts in data:
+        loss_of(dmp, parts[rank]).backward()
+        ref.step(parts)
+        diffs.append(_diff(dmp, ref))
+    return diffs
+
+
+def _round_trip(dmp, opt, into=None, between=None) -> None:
+    """The model's and the optimizer's state dicts through ``torch.save``, loaded into ``into`` (a
+    (model, optimizer) pair; None: the same ones), after ``between()``."""
+    buffer = io.BytesIO()
+    torch.save({"model": dmp.state_dict(), "optim": opt.state_dict()}, buffer)
+    if between is not None:
+        between()
+    model, optimizer = into or (dmp, opt)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optim"])
 
 
 def checkpoint_into_a_fresh_model(rank: int, world_size: int, case: str = "ebc_adam_dense", steps: int = 3) -> dict:
@@ -250,24 +271,11 @@ def checkpoint_into_a_fresh_model(rank: int, world_size: int, case: str = "ebc_a
     holds the remapping (the MCH module's buffers)."""
     dmp, opt, ref = build(rank, world_size, case)
     data = batches(2 * steps, world_size, wide=(0, steps))
-    for parts in data[:steps]:
-        loss_of(dmp, parts[rank]).backward()
-        ref.step(parts)
-    buffer = io.BytesIO()
-    torch.save({"model": dmp.state_dict(), "optim": opt.state_dict()}, buffer)
+    _beside(dmp, ref, rank, data[:steps])
     remapping = sorted(k.rsplit(".", 1)[-1] for k in dmp.state_dict() if "_managed_collision_modules" in k)
-    del dmp, opt
     fresh, fresh_opt, _ = build(rank, world_size, case)
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=False)
-    fresh.load_state_dict(saved["model"])
-    fresh_opt.load_state_dict(saved["optim"])
-    diffs = []
-    for parts in data[steps:]:
-        loss_of(fresh, parts[rank]).backward()
-        ref.step(parts)
-        diffs.append(_diff(fresh, ref))
-    return {"diffs": diffs, "remapping": remapping, "evicted": len(ref.evicted)}
+    _round_trip(dmp, opt, into=(fresh, fresh_opt))
+    return {"diffs": _beside(fresh, ref, rank, data[steps:]), "remapping": remapping, "evicted": len(ref.evicted)}
 
 
 def _global(parts) -> tuple[KeyedJaggedTensor, torch.Tensor]:
@@ -283,11 +291,7 @@ def resharded_save(rank: int, world_size: int, directory: str, case: str = "ebc_
     from overlap_optim import checkpoint
 
     dmp, opt, ref = build(rank, world_size, case)
-    diffs = []
-    for parts in batches(2 * steps, world_size, wide=(0, steps))[:steps]:
-        loss_of(dmp, parts[rank]).backward()
-        ref.step(parts)
-        diffs.append(_diff(dmp, ref))
+    diffs = _beside(dmp, ref, rank, batches(2 * steps, world_size, wide=(0, steps))[:steps])
     checkpoint.save(directory, dmp, opt, {})
     return {"diffs": diffs}
 
@@ -337,19 +341,6 @@ def rolled_back_in_place(rank: int, world_size: int, case: str = "ebc_adagrad_fu
     loaded back in place, and ``steps`` more beside the reference (which never took the extra step)."""
     dmp, opt, ref = build(rank, world_size, case)
     data = batches(2 * steps, world_size)
-    for parts in data[:steps]:
-        loss_of(dmp, parts[rank]).backward()
-        ref.step(parts)
-    buffer = io.BytesIO()
-    torch.save({"model": dmp.state_dict(), "optim": opt.state_dict()}, buffer)
-    loss_of(dmp, data[steps][rank]).backward()  # the step the rollback undoes
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=False)
-    dmp.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["optim"])
-    diffs = []
-    for parts in data[steps:]:
-        loss_of(dmp, parts[rank]).backward()
-        ref.step(parts)
-        diffs.append(_diff(dmp, ref))
-    return {"diffs": diffs, "evicted": len(ref.evicted)}
+    _beside(dmp, ref, rank, data[:steps])
+    _round_trip(dmp, opt, between=lambda: loss_of(dmp, data[steps][rank]).backward())  # the step undone
+    return {"diffs": _beside(dmp, ref, rank, data[steps:]), "evicted": len(ref.evicted)}
