@@ -229,7 +229,15 @@ REFUSALS: tuple[Refusal, ...] = (
         "column factor is shared by every row",
         "annotate the table with an optimizer whose state is per row or per element (Adagrad, Adam, SGD...)",
         r"(has no in-backward optimizer: your own optimizer keeps its state|keeps state that is not per row)",
-        sampled=False,
+    ),
+    Refusal(
+        "managed_collision_weighted",
+        "a managed-collision collection over a weighted EmbeddingBagCollection (is_weighted=True)",
+        "plan, or shard (before any module is sharded)",
+        "TorchRec's sharded managed-collision collection looks its ids up as if every per-sample weight were 1 "
+        "(0.03-0.2 off a reference that weighs them)",
+        "weigh the pooled embeddings in the model, or use an unweighted collection",
+        r"holds a weighted .* \(is_weighted=True\): TorchRec's sharded managed-collision collection drops",
     ),
     Refusal(
         "managed_collision_reshard",

@@ -44,6 +44,7 @@ from torchrec import (
     PoolingType,
 )
 
+from torchrec.sparse.jagged_tensor import JaggedTensor
 from torchrec.streamable import Pipelineable
 
 from _models import without_compiled_operators
@@ -105,8 +106,14 @@ class Table:
         return self.collection != "ec"
 
     @property
+    def managed(self) -> bool:
+        """A table of the managed-collision collection ("mc"): row_wise, its ids remapped."""
+        return self.collection == "mc"
+
+    @property
     def fqn(self) -> str:
-        return f"{self.collection}.{'embedding_bags' if self.bagged else 'embeddings'}.{self.name}.weight"
+        inner = f"{self.collection}._embedding_module" if self.managed else self.collection
+        return f"{inner}.{'embedding_bags' if self.bagged else 'embeddings'}.{self.name}.weight"
 
     @property
     def features(self) -> list[str]:
@@ -182,7 +189,7 @@ def _class(path: str) -> type:
 # -- the models --
 
 
-COLLECTIONS = ("ebc", "ebc_b", "ec")
+COLLECTIONS = ("ebc", "ebc_b", "ec", "mc")  # "mc": an EBC in a ManagedCollisionEmbeddingBagCollection
 
 
 class Model(nn.Module):
@@ -203,8 +210,11 @@ class Model(nn.Module):
                 module = EmbeddingBagCollection(tables=[
                     EmbeddingBagConfig(name=t.name, embedding_dim=DIM, num_embeddings=t.rows, feature_names=t.features,
                                        pooling=PoolingType.MEAN if t.mean else PoolingType.SUM,
-                                       data_type=PRECISIONS[t.precision][0]) for t in mine
+                                       data_type=PRECISIONS[t.precision][0],
+                                       init_fn=reinit if collection == "mc" else None) for t in mine
                 ], is_weighted=config.weighted, device=torch.device(device))
+                if collection == "mc":
+                    module = _managed(module, mine)
             setattr(self, collection, module)
         self.dense = nn.Sequential(nn.Linear(len(config.features()) * DIM, 4, device=device), nn.Tanh(),
                                    nn.Linear(4, 1, device=device))
@@ -214,6 +224,7 @@ class Model(nn.Module):
         out = {}
         for t in self.config.tables:
             module = getattr(self, t.collection)
+            module = module._embedding_module if t.managed else module
             out[t.key] = (module.embedding_bags if t.bagged else module.embeddings)[t.name]
         return out
 
@@ -224,6 +235,7 @@ class Model(nn.Module):
         parts = {}
         for collection in self.config.collections():
             out = getattr(self, collection)(batch.kjts[collection])
+            out = out[0] if collection == "mc" else out  # (pooled, remapped features or None)
             for f in self.config.features(collection):
                 parts[f] = _position_weighted(out[f].lengths(), out[f].values()) if collection == "ec" else out[f]
         prediction = self.dense(torch.cat([parts[f] for f in self.config.features()], dim=1)).squeeze(1)
@@ -286,6 +298,104 @@ def _position_weighted(lengths: torch.Tensor, values: torch.Tensor) -> torch.Ten
     return values.new_zeros(lengths.numel(), values.shape[1]).index_add(0, sample, weighted)
 
 
+# -- managed collision --
+
+BUCKETS = 2  # the input buckets of a managed-collision module: at least the world size (TorchRec's rule)
+
+
+def input_size(table: Table) -> int:
+    """A managed-collision table's ids: 0 .. 3 x its rows (more ids than slots), in two buckets."""
+    return 6 * math.ceil(table.rows / 2)
+
+
+def reinit(weight: torch.Tensor) -> torch.Tensor:
+    """The managed-collision tables' ``init_fn`` (TorchRec re-initialises an evicted slot with it):
+    deterministic, so the reference gives an evicted slot the same weight, and different per element."""
+    with torch.no_grad():
+        return weight.copy_(torch.linspace(-0.5, 0.5, weight.numel()).view_as(weight))
+
+
+def _collision_module(table: Table) -> nn.Module:
+    from torchrec.modules.mc_modules import DistanceLFU_EvictionPolicy, MCHManagedCollisionModule
+
+    return MCHManagedCollisionModule(zch_size=table.rows, device=torch.device("cpu"), eviction_interval=1,
+                                     input_hash_size=input_size(table), buckets=BUCKETS,
+                                     eviction_policy=DistanceLFU_EvictionPolicy())
+
+
+def _managed(ebc: EmbeddingBagCollection, tables: list[Table]) -> nn.Module:
+    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+    from torchrec.modules.mc_modules import ManagedCollisionCollection
+
+    collision = ManagedCollisionCollection({t.name: _collision_module(t) for t in tables},
+                                           embedding_configs=ebc.embedding_bag_configs())
+    return ManagedCollisionEmbeddingBagCollection(ebc, collision, return_remapped_features=False)
+
+
+class Remapper:
+    """The reference's remapping of the managed-collision tables, written from TorchRec's documented
+    behaviour (not from ours): each table's module rebuilt per row shard (``rebuild_with_output_id_range``,
+    rows split as TorchRec splits them row-wise: ceil(rows / world) a shard); each id to the shard of its
+    input bucket (block bucketization), where the module profiles and remaps it; then the slots it evicts,
+    whose weight is re-initialised with ``init_fn`` and whose per-row optimizer state becomes a fresh row's
+    (zero: every optimizer drawn here starts its per-row state at zero; ``step`` counts on) before the
+    batch is looked up. A micro-batch is remapped once, and every trainer reads it."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.tables = [t for t in config.tables if t.managed]
+        self.shards: dict[str, list[nn.Module]] = {}
+        for t in self.tables:
+            per = math.ceil(t.rows / config.world_size)
+            bounds = [min(r * per, t.rows) for r in range(config.world_size + 1)]
+            original = _collision_module(t)
+            self.shards[t.key] = [original.rebuild_with_output_id_range(
+                (bounds[r], bounds[r + 1]), output_segments=bounds, device=torch.device("cpu")).train()
+                for r in range(config.world_size)]
+        self.done: dict[tuple[int, int], dict[str, Any]] = {}
+
+    def __call__(self, step: int, micro: int, batch: dict[str, Any]) -> dict[str, Any]:
+        """``batch`` (the global micro-batch) with the managed tables' ids remapped, and under
+        ``"evict"`` the rows each table evicts before it is looked up; once per (step, micro)."""
+        if (step, micro) in self.done:
+            return self.done[(step, micro)]
+        out, evict = dict(batch), {}
+        for t in self.tables:
+            values = torch.cat([batch[f][1] for f in t.features])
+            block = math.ceil(input_size(t) / BUCKETS)
+            remapped, evicted = torch.empty_like(values), []
+            for rank, shard in enumerate(self.shards[t.key]):
+                mine = (values // block) * self.config.world_size // BUCKETS == rank
+                ids = values[mine]
+                count = torch.tensor([ids.numel()])
+                remapped[mine] = shard.remap(shard.profile({t.name: JaggedTensor(
+                    values=ids, lengths=count, weights=count)}))[t.name].values()
+                rows = shard.evict()
+                if rows is not None and rows.numel():
+                    evicted.append(rows.long())
+            evict[t.key] = evicted
+            start = 0
+            for f in t.features:
+                lengths, ids, weights = batch[f]
+                out[f] = (lengths, remapped[start : start + ids.numel()], weights)
+                start += ids.numel()
+        out["evict"] = evict
+        self.done[(step, micro)] = out
+        return out
+
+
+def evict_rows(weight: torch.Tensor, optimizers: list[torch.optim.Optimizer], rows: list[torch.Tensor]) -> None:
+    """Each shard's evicted ``rows`` (in turn, as each shard does): the weight re-initialised with
+    ``init_fn``, and every per-row state tensor of ``weight`` in ``optimizers`` zero there."""
+    with torch.no_grad():
+        for part in rows:
+            weight[part] = reinit(weight[part].clone()).to(weight.dtype)
+            for optimizer in optimizers:
+                for value in optimizer.state.get(weight, {}).values():
+                    if torch.is_tensor(value) and value.dim() and value.shape[0] == weight.shape[0]:
+                        value[part] = 0
+
+
 # -- batches --
 
 
@@ -304,7 +414,12 @@ def make_batch(config: Config, generator: torch.Generator) -> dict[str, Any]:
             bags = 1 + zlib.crc32(f"{config.seed}/{feature}".encode()) % BATCH if vbe else BATCH
             lengths, values = [], []
             for bag in range(bags):
-                if config.cover and bag == 0:
+                if t.managed:  # an id of each input bucket: every micro-batch sends each row shard as many ids
+                    # (TorchRec's module counts only as many ids as 1.25 x its first batch's)
+                    block = math.ceil(input_size(t) / BUCKETS)
+                    ids = torch.cat([torch.randint(0, block, (1,), generator=generator),
+                                     torch.randint(block, input_size(t), (1,), generator=generator)])
+                elif config.cover and bag == 0:
                     ids = torch.randperm(t.rows, generator=generator)
                 else:
                     high = t.rows if config.cover else max(1, t.rows // 3)
@@ -398,7 +513,7 @@ class ReferenceTrainer:
                 self.users.append(_class(USER_OPTIMIZER[0])([weight], **USER_OPTIMIZER[1]))
             else:
                 path, kwargs, _, lazy_path = OPTIMIZERS[t.optimizer]
-                if t.lazy and not config.cover:
+                if t.lazy and (not config.cover or t.managed):  # a managed table's slots are not all touched
                     assert lazy_path is not None, f"{t}: no lazy reference (the strategy must not draw it)"
                     path = lazy_path
                 optimizer = _class(path)([weight], **kwargs)
@@ -434,7 +549,13 @@ class ReferenceTrainer:
 
     def backward(self, micro_batches: list[dict[str, Any]]) -> None:
         for batch in micro_batches:
+            self.evict(batch)
             _loss(self.model(batch), batch["target"]).backward()
+
+    def evict(self, batch: dict[str, Any]) -> None:
+        """The managed tables' evictions of ``batch`` (:class:`Remapper`), before it is looked up."""
+        for key, rows in batch.get("evict", {}).items():
+            evict_rows(self.model.tables[key].weight, self.optimizers + self.users, rows)
 
     def step(self, micro_batches: list[dict[str, Any]], bound: float | None,
              grads: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -443,6 +564,8 @@ class ReferenceTrainer:
         if grads is None:
             self.backward(micro_batches)
         else:
+            for batch in micro_batches:
+                self.evict(batch)
             for name, param in self.model.named_parameters():
                 if name in grads:
                     param.grad = grads[name].to(param.dtype)
@@ -514,7 +637,7 @@ def _sharding_types(config: Config, other_plan: bool) -> dict[str, str]:
             "table_row_wise": "column_wise", "table_column_wise": "row_wise"}
     out: dict[str, str] = {}
     for t in config.tables:  # tables of one name share one type (TorchRec's constraints go by name)
-        new = out.get(t.name, swap.get(t.sharding, t.sharding))
+        new = out.get(t.name, t.sharding if t.managed else swap.get(t.sharding, t.sharding))
         if not t.bagged and new not in EC_SHARDING_TYPES:
             new = "table_wise"
         if config.vbe and t.mean and new in ("row_wise", "table_row_wise"):  # refused (docs/refusals.md)
@@ -598,6 +721,8 @@ class Ours:
                                                                        variable_batch=config.vbe))
         if any(not t.bagged for t in config.tables):
             sharder_list.append(sharders.EmbeddingCollectionSharder(fused_params, dense_tables=dense_tables(False)))
+        if any(t.managed for t in config.tables):  # over the EBCs' sharder: one runs all their tables
+            sharder_list.append(sharders.ManagedCollisionEmbeddingBagCollectionSharder(sharder_list[0]))
         types = _sharding_types(config, self.other_plan)
         constraints = {n: ParameterConstraints(sharding_types=[s], min_partition=4) for n, s in types.items()}
         world = dist.get_world_size()
@@ -823,6 +948,12 @@ def train(rank: int, world_size: int, config: Config, directory: str, resume: bo
     from_exact: dict[str, float] = {}  # ours from the float64 reference
     start = {n: p.detach().clone() for n, p in reference.model.named_parameters()}
 
+    remapper = Remapper(config)
+
+    def globally(step: int, parts: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+        """The reference's micro-batches of ``step``: every rank's samples, managed tables' ids remapped."""
+        return [remapper(step, micro, global_batch(p)) for micro, p in enumerate(parts)]
+
     def micro_batches(step: int) -> list[list[dict[str, Any]]]:
         generator = torch.Generator().manual_seed(1000 * config.seed + 10 * step)
         out = [[make_batch(config, generator) for _ in range(config.world_size)] for _ in range(config.micro)]
@@ -834,16 +965,15 @@ def train(rank: int, world_size: int, config: Config, directory: str, resume: bo
 
     bound = None
     if config.clip is not None:
-        bound = reference.bound([global_batch(parts) for parts in micro_batches(0)])
+        bound = reference.bound(globally(0, micro_batches(0)))
     middle = (config.steps - 1) // 2
     diffs: dict[str, list[float]] = {}
     dense_state = {"ulps": 0, "flipped": 0, "elements": 0, "dtypes": []}  # the MLP's BF16 state against the reference's
     if resume:
         for step in range(middle + 1):
             parts = micro_batches(step)
-            exact.step([_double(global_batch(p)) for p in parts], bound)
-            rounded.step([global_batch(p) for p in parts], bound,
-                         _ulp_jitter(reference.step([global_batch(p) for p in parts], bound)))
+            exact.step([_double(b) for b in globally(step, parts)], bound)
+            rounded.step(globally(step, parts), bound, _ulp_jitter(reference.step(globally(step, parts), bound)))
         ours = _resumed_on_one_rank(config, weights, dense, bound, directory)
         _compare(ours, reference, diffs, dense_state)
     else:
@@ -865,9 +995,8 @@ def train(rank: int, world_size: int, config: Config, directory: str, resume: bo
                 _compare(ours, reference, diffs)  # the reference has not stepped: all zero if nothing changed
                 return _refused("first step", err, all(d == [0.0] for d in diffs.values()))
             return _refused("later step", err, False)  # only a refusal that depends on the values may
-        rounded.step([global_batch(p) for p in parts], bound,
-                     _ulp_jitter(reference.step([global_batch(p) for p in parts], bound)))
-        exact.step([_double(global_batch(p)) for p in parts], bound)
+        rounded.step(globally(step, parts), bound, _ulp_jitter(reference.step(globally(step, parts), bound)))
+        exact.step([_double(b) for b in globally(step, parts)], bound)
         for t in config.tables:
             weight = reference.model.tables[t.key].weight.double()
             gap = max((weight - exact.model.tables[t.key].weight).abs().max().item(),
@@ -947,7 +1076,7 @@ def _resumed_on_one_rank(config: Config, weights: dict[str, torch.Tensor], dense
 
 def _double(batch: dict[str, Any]) -> dict[str, Any]:
     """A batch for the float64 reference."""
-    return {k: v.double() if k == "target" else (v[0], v[1], None if v[2] is None else v[2].double())
+    return {k: v.double() if k == "target" else v if k == "evict" else (v[0], v[1], None if v[2] is None else v[2].double())
             for k, v in batch.items() if k != "vbe"}
 
 
