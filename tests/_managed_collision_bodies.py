@@ -100,13 +100,14 @@ def _ours_on(model: nn.Module, world_size: int, planner: str) -> None:
     DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[mc])
 
 
-def _hand_made_plan(model: nn.Module, world_size: int):
+def _hand_made_plan(model: nn.Module, world_size: int, sharder=None):
     """A row_wise plan of ``mc`` built by hand (TorchRec's plan helpers), so that no planner checks it."""
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
     from torchrec.distributed.types import ShardingPlan
 
     module_plan = construct_module_sharding_plan(
-        model.mc, per_param_sharding={"t": row_wise()}, sharder=sharders.ManagedCollisionEmbeddingBagCollectionSharder(),
+        model.mc, per_param_sharding={"t": row_wise()},
+        sharder=sharder or sharders.ManagedCollisionEmbeddingBagCollectionSharder(),
         local_size=world_size, world_size=world_size, device_type="cpu")
     return ShardingPlan({"mc": module_plan})
 
@@ -145,3 +146,19 @@ def torchrecs_collection_sharder_inside_ours(rank: int, world_size: int) -> dict
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder as Stock
 
     return _outcome_of(nn.Module(), lambda m: sharders.ManagedCollisionEmbeddingBagCollectionSharder(Stock()))
+
+
+def torchrecs_sharder_under_our_wrapper(rank: int, world_size: int) -> dict:
+    """TorchRec's managed-collision sharder (over its own EBC sharder) under DMP with our
+    DataParallelWrapper, planned by TorchRec's planner: nothing of ours runs before DMP shards the
+    collection, so the wrapper refuses it, by name, before the model trains."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder as Stock
+
+    def build(model: nn.Module) -> None:
+        stock = [ManagedCollisionEmbeddingBagCollectionSharder(ebc_sharder=Stock()), Stock()]
+        plan = _hand_made_plan(model, world_size, stock[0])
+        DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=stock,
+                                 data_parallel_wrapper=sharders.DataParallelWrapper())
+    from _managed_collision_exact import MCModel
+
+    return _outcome_of(MCModel(bagged=True), build)

@@ -17,7 +17,7 @@ import pytest
 
 from _managed_collision_bodies import (
     column_state, inside_torchrecs_managed_collision_sharder, our_planner, our_sharder_on_the_inner_collection,
-    torchrecs_collection_sharder_inside_ours, unannotated,
+    torchrecs_collection_sharder_inside_ours, torchrecs_sharder_under_our_wrapper, unannotated,
 )
 from _managed_collision_exact import (
     SETTINGS, checkpoint_into_a_fresh_model, exact_cases, resharded_resume, resharded_save, rolled_back_in_place,
@@ -36,6 +36,7 @@ CASES = {
     "column_state_dmp": functools.partial(column_state, planner="stock"),
     "unannotated": unannotated,
     "stock_inner_sharder": torchrecs_collection_sharder_inside_ours,
+    "stock_under_our_wrapper": torchrecs_sharder_under_our_wrapper,
     "exact": exact_cases,
     "checkpoint": checkpoint_into_a_fresh_model,
     "rollback": rolled_back_in_place,
@@ -93,6 +94,14 @@ def test_a_table_whose_evicted_rows_cannot_get_fresh_state_is_refused_by_name_be
     assert errors[0].startswith("NotImplementedError: table 't' of the managed-collision collection at 'mc'"), errors[0]
     assert named in errors[0] and refusal("managed_collision_state").matches(errors[0]), errors[0]
     assert all(out["sharded"] == [] for out in ranks[case]), [out["sharded"] for out in ranks[case]]
+
+
+def test_torchrecs_managed_collision_sharder_under_our_wrapper_is_refused_before_the_model_trains(ranks):
+    """Nothing of ours runs before DMP shards it: our wrapper refuses it when DMP hands it the model."""
+    errors = [out["error"] for out in ranks["stock_under_our_wrapper"]]
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith("NotImplementedError: ShardedManagedCollisionEmbeddingBagCollection at 'mc'"), errors[0]
+    assert refusal("managed_collision").matches(errors[0]), errors[0]
 
 
 def test_our_managed_collision_sharder_refuses_torchrecs_collection_sharder_inside(ranks):
