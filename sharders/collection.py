@@ -87,6 +87,9 @@ class CollectionSharder:
     """Mixed into a TorchRec sharder (listed before it); see the module doc."""
 
     tables_attr: ClassVar[str]  # the collection's ModuleDict of tables, sharded or not
+    # the path that qualifies table names (fallback_tables=, dense_tables=) while TorchRec's managed-collision
+    # collection, sharded at that path, hands over its inner collection with none (sharders.evictions)
+    handed_path: str | None = None
 
     def __init__(
         self,
@@ -171,6 +174,7 @@ class CollectionSharder:
         device = device or torch.device("cpu")
         whole = _private.model_being_sharded()
         refuse_two_dimensional(env)
+        module_fqn = module_fqn if module_fqn is not None else self.handed_path
         refuse_managed_collision_sharding(module, whole, module_fqn or "")
         if whole is not None and not any(isinstance(m, ShardedModule) for m in whole.root.modules()):
             check_model(whole, device.type)  # the first module: every refusal of every module, before any changes

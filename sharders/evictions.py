@@ -135,8 +135,12 @@ class EvictingSharder:
             refuse_weighted(module, module_fqn or "")
             check_evictable(self.collection_sharder._table_kernels(
                 _private.mc_collection_of(module), params, device.type, module_fqn or ""), module_fqn or "")
-        sharded = self.sharded_class(module, params, self.collection_sharder, self.remapping_sharder, env=env,
-                                     device=device)
+        self.collection_sharder.handed_path = module_fqn or ""  # qualifies its table names as check_model did
+        try:
+            sharded = self.sharded_class(module, params, self.collection_sharder, self.remapping_sharder, env=env,
+                                         device=device)
+        finally:
+            self.collection_sharder.handed_path = None
         sharded.keep_layout()
         whole = _private.model_being_sharded()
         _install_layout_check(sharded, whole.root if whole is not None else None, module_fqn or "")
