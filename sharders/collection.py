@@ -195,11 +195,11 @@ class CollectionSharder:
         )
         _build(context)
         self.adapt_kernels(sharded)
-        install_settings_check(sharded, tables, env.process_group)
+        before_lookup = install_settings_check(sharded, tables, env.process_group)
         state = ShardedTables(_private.sharded_weights(sharded), tables, env.process_group, self.tables_attr)
         data_parallel = tuple(m for m in _private.lookups(sharded) if isinstance(m, DistributedDataParallel))
         plans.install_plan(
-            sharded, ShardedModulePlan(tables, context.round, state, data_parallel)
+            sharded, ShardedModulePlan(tables, context.round, state, data_parallel, before_lookup)
         )
         install_dtype_check(sharded, whole.root if whole is not None else None)
         return sharded

@@ -75,8 +75,12 @@ class _ExactEviction:
                 self._refuse(key, torch.as_tensor(saved))
 
     def compute(self, ctx: Any, dist_input: Any) -> Any:
-        """TorchRec's, after checking that no load (``dcp.load`` writes buffers in place) replaced the
-        remapping's row shards."""
+        """TorchRec's (remap, evict, look up), after the checks the lookup would run first (a refusal
+        leaves the remapping and the evicted slots as they were), and after checking that no load
+        (``dcp.load`` writes buffers in place) replaced the remapping's row shards."""
+        before_lookup = plans.plan_of(_private.mc_collection_of(self)).before_lookup
+        if before_lookup is not None:
+            before_lookup()
         for key, value in _private.remapping_layouts(self).items():
             if not torch.equal(value, self.layout[key]):
                 self._refuse(key, value)

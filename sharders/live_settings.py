@@ -25,6 +25,7 @@ steps.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,15 +55,16 @@ VARIABLE_BATCH_ROUTE = (
 
 def install_settings_check(
     sharded: nn.Module, tables: dict[str, TableKernel], process_group: Any = None
-) -> None:
+) -> Callable[[], None] | None:
     """Check every table kernel's live settings before ``sharded``'s first lookup, on every rank;
     a batch with a variable batch size per feature (VBE) too, against every table of the module,
-    and, on gloo, before each row-split lookup, against its ranks' batch sizes."""
+    and, on gloo, before each row-split lookup, against its ranks' batch sizes. Returns the same
+    checks (VBE's aside), for what runs before that lookup and changes the model (None: no lookup)."""
     kernels = list(tables.values())
     clips = list({id(k.clip): k.clip for k in kernels if k.clip is not None}.values())
     lookups = _private.lookups(sharded)
     if not lookups:
-        return
+        return None
     if process_group is not None and dist.get_backend(process_group) == "gloo":
         _check_row_split_batches(sharded, tables)
 
@@ -78,6 +80,7 @@ def install_settings_check(
             clip.check_members()
 
     lookups[0].register_forward_pre_hook(check)
+    return lambda: check(None, ())
 
 
 class _LiveChecks:

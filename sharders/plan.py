@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -36,6 +36,9 @@ class ShardedModulePlan:
     round: EndOfBackwardRound
     state: ShardedTables
     data_parallel: tuple[nn.Module, ...] = ()  # the module's DDP-wrapped lookups
+    # the checks its first lookup runs (sharders.live_settings), for what runs before it and changes the
+    # model (a managed-collision collection's eviction): a refusal then leaves everything as it was
+    before_lookup: Callable[[], None] | None = None
 
     @contextlib.contextmanager
     def accumulate(self) -> Iterator[None]:
