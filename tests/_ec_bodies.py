@@ -122,14 +122,17 @@ def accumulated(rank, world_size, k=2, windows=2):
 
 
 def shared_table_in_pipeline(rank, world_size, steps=3, clip=False, micro=1, torchrec_accumulation=False,
-                             cut_short=False):
+                             cut_short=False, reload_at=None):
     """One EC table looked up by two features (one shared, fallback Adam; one fused Adagrad),
     trained through TorchRec's ``TrainPipelineSparseDist`` against torch.optim. ``clip``: both
     tables and the head clipped by a global norm that binds; ``micro``: micro-batches per step,
     all but the last run through ``pipeline.progress`` inside ``overlap_optim.no_step``, or, with
     ``torchrec_accumulation``, every one through TorchRec's ``GradientAccumulationWrapper``
     (``num_steps=micro``) and no ``no_step``. ``cut_short``: then one micro-batch more, where the data
-    ends: the wrapper's flush, whose error is returned."""
+    ends: the wrapper's flush, whose error is returned. ``reload_at``: after that step, the keyed
+    optimizer's state dict through ``torch.save`` and loaded back in place."""
+    import io
+
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
     from torchrec.distributed.train_pipeline.gradient_accumulation import (
         GradientAccumulationConfig, GradientAccumulationWrapper,
@@ -180,6 +183,11 @@ def shared_table_in_pipeline(rank, world_size, steps=3, clip=False, micro=1, tor
         state = dmp.state_dict()
         diffs[-1] = max(diffs[-1], *((state[f"head.{n}"] - p).abs().max().item()
                                      for n, p in reference.head.named_parameters()))
+        if step == reload_at:
+            buffer = io.BytesIO()
+            torch.save(keyed.state_dict(), buffer)
+            buffer.seek(0)
+            keyed.load_state_dict(torch.load(buffer, weights_only=False))
     moved = {n: (reference.ec.embeddings[n].weight.detach() - start[n]).abs().max().item() for n in start}
     if not cut_short:
         return {"diffs": diffs, "moved": moved}
