@@ -19,6 +19,7 @@ largest T with S = 32 (quick: in one group). Plotted against T.
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from pathlib import Path
@@ -129,7 +130,11 @@ def _measure(rank: int, world_size: int, tables: int, settings: int, quick: bool
     steps = time_peers({p: stepper(built[p][1], built[p][2]) for p in PEERS}, warmup, repeats,
                        before=dist.barrier)
     state_dicts = time_peers({p: built[p][3].state_dict for p in PEERS}, 1, 2 if quick else 5)
-    return {peer: {**built[peer][0], "step_s": steps[peer]["median_s"], "state_dict_s": state_dicts[peer]["median_s"]}
+    saved = {p: built[p][3].state_dict() for p in PEERS}
+    loads = time_peers({p: functools.partial(built[p][3].load_state_dict, saved[p]) for p in PEERS}, 1,
+                       2 if quick else 5)
+    return {peer: {**built[peer][0], "step_s": steps[peer]["median_s"], "state_dict_s": state_dicts[peer]["median_s"],
+                   "load_state_dict_s": loads[peer]["median_s"]}
             for peer in PEERS}
 
 
@@ -180,6 +185,11 @@ def ratios_of(by_config: dict, memory: dict, largest: str) -> dict[str, float]:
                 peers["ours"][key] / peers["torchrec"][key])
         ratios[f"{config}: state_dict, ours / torchrec"] = peers["ours"]["state_dict_s"] / peers["torchrec"]["state_dict_s"]
         ratios[f"{config}: state_dict, ours / 50 ms (target <= 1)"] = peers["ours"]["state_dict_s"] / 0.05
+        if "load_state_dict_s" in peers["ours"]:  # measured from 2026-11-28 on
+            ratios[f"{config}: load_state_dict, ours / torchrec"] = (
+                peers["ours"]["load_state_dict_s"] / peers["torchrec"]["load_state_dict_s"])
+            ratios[f"{config}: load_state_dict per table, ours (ms)"] = (
+                1e3 * peers["ours"]["load_state_dict_s"] / int(config.split(",")[0][2:]))
     ratios[f"{largest}: peak RSS, ours / torchrec"] = memory["ours"] / memory["torchrec"]
     return ratios
 

@@ -86,10 +86,22 @@ class OptimizerSpec:
     float_keys: frozenset[str]
     fixed: dict[str, Any]
     state: dict[str, StateEntry] | None  # None: it cannot step a 2-D parameter
-    row_separable: bool
-    column_separable: bool
     group_state: tuple[str, ...]
     group_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @functools.cached_property
+    def row_separable(self) -> bool:
+        """See the module doc. Probed when first asked (a sharder splitting a table, FSDP2), not at
+        annotation: most annotations never need it, and the probe steps the optimizer 36 times."""
+        return self.state is not None and _separable(self.optimizer_class, self.kwargs, self.group_options, 0) and all(
+            e.row_sliceable or e.layout == "scalar" for e in self.state.values())
+
+    @functools.cached_property
+    def column_separable(self) -> bool:
+        """As :attr:`row_separable`, along columns."""
+        layouts = {e.layout for e in (self.state or {}).values()}
+        return (self.state is not None and _separable(self.optimizer_class, self.kwargs, self.group_options, 1)
+                and layouts <= {"element", "scalar"})
 
     @property
     def name(self) -> str:
@@ -268,8 +280,6 @@ def describe_optimizer(
         k for k, v in defaults.items() if (isinstance(v, float) if k in options else _is_float_setting(v))
     )
     state = _probe_state(optimizer_class, kwargs, options, group_state)
-    separable = [state is not None and _separable(optimizer_class, kwargs, options, axis) for axis in (0, 1)]
-    layouts = {e.layout for e in (state or {}).values()}
     return OptimizerSpec(
         optimizer_class=optimizer_class,
         kwargs=kwargs,
@@ -277,8 +287,6 @@ def describe_optimizer(
         float_keys=floats,
         fixed={k: v for k, v in defaults.items() if k not in floats},
         state=state,
-        row_separable=separable[0] and all(e.row_sliceable or e.layout == "scalar" for e in (state or {}).values()),
-        column_separable=separable[1] and layouts <= {"element", "scalar"},
         group_state=group_state,
         group_options=options,
     )

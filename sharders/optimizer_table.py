@@ -242,8 +242,11 @@ def _check_separable(table: str, group: AnnotationGroup, sharding_type: str, off
     accumulator split into column shards), unless :mod:`sharders.cross_shard` has a cross-shard
     form of it: then True, the table's statistics travel in the module's round."""
     spec = group.spec
-    for axis, what, separable in ((0, "row", spec.row_separable), (1, "column", spec.column_separable)):
-        if separable or len({o[axis] for o in offsets}) <= 1:
+    for axis, what in ((0, "row"), (1, "column")):
+        if len({o[axis] for o in offsets}) <= 1:  # not split this way: separability is not asked (nor probed)
+            continue
+        separable = spec.row_separable if axis == 0 else spec.column_separable
+        if separable:
             continue
         implementation = cross_shard_class(spec.optimizer_class)
         why = "it has no cross-shard form" if implementation is None else implementation.unsupported(spec, axis)

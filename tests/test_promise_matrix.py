@@ -363,6 +363,11 @@ def directory():
 # (make test-matrix, seed 2468). The lookup's checks now run before the remapping.
 @example(config=Config((T("m0", "mc", 4, "row_wise", "sgd"),), cover=False, dense_part="user_ddp",
                        clip=("value", "everything")))
+# BF16 Adam state on the MLP, two micro-batches a step: an element flipped one unit (another summation order), then
+# cancelled toward zero, measured four units at its own magnitude (make test-matrix, seed 3579): one at BF16's.
+@example(config=Config((T("s0", "ec", 9, "data_parallel", "adagrad", shared=True), T("s1", "ec", 11, "table_wise", "adagrad"),
+                        T("s2", "ec", 9, "data_parallel", "adagrad", shared=True)), cover=False, dense_state_bf16=True,
+                       micro=2, schedule=True, seed=339))
 def test_exact_or_refused(config: Config, directory: str) -> None:
     name = hashlib.sha1(repr(config).encode()).hexdigest()[:10]
     if os.environ.get("MATRIX_LOG"):  # each example as it starts: a run that stalls shows where
