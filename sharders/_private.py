@@ -34,7 +34,7 @@ __all__ = [
     "model_being_sharded", "divide_only_row_split_means", "uses_index_dedup", "data_parallel_wrapper",
     "reservation_percentage", "record_reservation", "replace_enumerator", "optimizer_classes_hidden",
     "annotations_read_as", "comm_hook_left_to_us", "recast_kernel", "replace_lookup", "run_first_on_load",
-    "managed_collision_being_built", "mc_collection_of", "table_init_fn", "remapping_layouts", "reread_remapping_count", "semi_sync_pipeline", "stashes_gradients", "pipeline_model",
+    "managed_collision_being_built", "mc_collection_of", "table_init_fn", "remapping_layouts", "reread_remapping_count", "round_mean_divisor", "semi_sync_pipeline", "stashes_gradients", "pipeline_model",
 ]
 
 # The name under which DistributedModelParallel registers the module it wraps.
@@ -143,11 +143,18 @@ def divide_only_row_split_means(sharded: nn.Module) -> None:
 
     def exact_input_dist(ctx: Any, *args: Any, **kwargs: Any) -> Any:
         out = input_dist(ctx, *args, **kwargs)
-        if getattr(ctx, "divisor", None) is not None:
-            ctx.divisor = torch.round(ctx.divisor).clamp_(min=1.0)
+        round_mean_divisor(ctx)
         return out
 
     sharded.input_dist = exact_input_dist
+
+
+def round_mean_divisor(ctx: Any) -> None:
+    """Round the mean-pooling divisor an unweighted input dist set on ``ctx`` (see
+    :func:`divide_only_row_split_means`); nothing where it set none. Private: ``ctx.divisor``
+    (TorchRec's managed-collision collection sets it in its own ``input_dist`` too)."""
+    if getattr(ctx, "divisor", None) is not None:
+        ctx.divisor = torch.round(ctx.divisor).clamp_(min=1.0)
 
 
 def run_first_on_load(module: nn.Module, hook: Callable[..., None]) -> None:

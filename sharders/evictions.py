@@ -110,7 +110,15 @@ class _ExactEviction:
 
 
 class EvictingBagCollection(_ExactEviction, ShardedManagedCollisionEmbeddingBagCollection):
-    """TorchRec's sharded managed-collision EBC, with the exact eviction."""
+    """TorchRec's sharded managed-collision EBC, with the exact eviction; and its mean-pooling divisor,
+    which it makes in its own input dist (not its inner collection's), rounded as our EBC sharder rounds
+    it (:func:`sharders._private.divide_only_row_split_means`: TorchRec adds 1e-6 to every bag length,
+    which LAMB amplified to 1.8e-5; make test-matrix, seed 3579). Weighted ones are refused."""
+
+    def input_dist(self, ctx: Any, features: Any) -> Any:
+        out = super().input_dist(ctx, features)
+        _private.round_mean_divisor(ctx)
+        return out
 
 
 class EvictingEmbeddingCollection(_ExactEviction, ShardedManagedCollisionEmbeddingCollection):

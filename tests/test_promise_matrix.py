@@ -368,6 +368,11 @@ def directory():
 @example(config=Config((T("s0", "ec", 9, "data_parallel", "adagrad", shared=True), T("s1", "ec", 11, "table_wise", "adagrad"),
                         T("s2", "ec", 9, "data_parallel", "adagrad", shared=True)), cover=False, dense_state_bf16=True,
                        micro=2, schedule=True, seed=339))
+# A managed collection with a row-split MEAN table: TorchRec's MC input dist made the mean divisor (bag length + 1e-6)
+# itself, past our EBC sharder's rounding; LAMB on its other table amplified it to 1.8e-5 (make test-matrix, seed 3579).
+@example(config=Config((T("t0", "ebc", 9, "data_parallel", "sgd"), T("t1", "ebc", 7, "data_parallel", "sgd", shared=True),
+                        T("m0", "mc", 6, "row_wise", "lamb"), T("m1", "mc", 6, "row_wise", "sgd", mean=True)),
+                       cover=False, dense_part="user", seed=1))
 def test_exact_or_refused(config: Config, directory: str) -> None:
     name = hashlib.sha1(repr(config).encode()).hexdigest()[:10]
     if os.environ.get("MATRIX_LOG"):  # each example as it starts: a run that stalls shows where
