@@ -12,8 +12,8 @@ rates, table i at setting i % S); batch 256 per rank, 1-3 ids per bag. Swept ove
   by TorchRec's own planner and sharder.
 
 Per (T, S), on rank 0: the annotation calls on a fresh model (per call), the build (plan + DMP),
-the step (interleaved), and ``state_dict()`` of each peer's optimizer (``get_optimizers(dmp)``
-against ``dmp.fused_optimizer``, interleaved). Peak RSS per peer in processes of their own at the
+the step (interleaved), and ``state_dict()`` and ``load_state_dict()`` of each peer's optimizer
+(``get_optimizers(dmp)`` against ``dmp.fused_optimizer``, interleaved). Peak RSS per peer in processes of their own at the
 largest T with S = 32 (quick: in one group). Plotted against T.
 """
 
@@ -188,8 +188,9 @@ def ratios_of(by_config: dict, memory: dict, largest: str) -> dict[str, float]:
         if "load_state_dict_s" in peers["ours"]:  # measured from 2026-11-28 on
             ratios[f"{config}: load_state_dict, ours / torchrec"] = (
                 peers["ours"]["load_state_dict_s"] / peers["torchrec"]["load_state_dict_s"])
-            ratios[f"{config}: load_state_dict per table, ours (ms)"] = (
-                1e3 * peers["ours"]["load_state_dict_s"] / int(config.split(",")[0][2:]))
+            smallest = by_config[f"T={sizes[0]},S={most}"]["ours"]["load_state_dict_s"] / sizes[0]
+            ratios[f"{config}: load_state_dict per table, ours / at T={sizes[0]} (linear: <= 1)"] = (
+                peers["ours"]["load_state_dict_s"] / int(config.split(",")[0][2:]) / smallest)
     ratios[f"{largest}: peak RSS, ours / torchrec"] = memory["ours"] / memory["torchrec"]
     return ratios
 
