@@ -274,8 +274,7 @@ def remapping_layouts(sharded: nn.Module) -> dict[str, torch.Tensor]:
     """State-dict key (relative to a sharded managed-collision collection) -> the buffer in which each
     table's managed-collision module keeps its row shards' output segments. Private: the buffer
     ``_output_segments_tensor`` of TorchRec's ``ManagedCollisionModule``."""
-    return {key: value for key, value in sharded.state_dict(keep_vars=True).items()
-            if key.endswith("." + _OUTPUT_SEGMENTS)}
+    return {key: value for key, value in sharded.named_buffers() if key.endswith("." + _OUTPUT_SEGMENTS)}
 
 
 _OUTPUT_SEGMENTS = "_output_segments_tensor"
