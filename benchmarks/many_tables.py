@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from benchmarks._plots import finish_axes, saved
 from benchmarks._timing import on_ranks, own_peak_rss_kib, peak_rss_kib, time_peers
 
 PEERS = ("ours", "torchrec")
@@ -212,10 +213,5 @@ def _plot(by_config: dict, out: Path) -> list[str]:
                       label=f"S = {s}")
         axis.axhline(1.0, color="grey", lw=0.8)
         axis.set(xscale="log", xlabel="tables (T)", ylabel="ours / torchrec", title=title)
-        axis.grid(alpha=0.3)
-        axis.legend()
-    fig.tight_layout()
-    path = out / "many_tables.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return [path.name]
+    finish_axes(*axes)
+    return saved(fig, out, "many_tables.png")

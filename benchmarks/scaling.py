@@ -13,6 +13,7 @@ import torch
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from benchmarks._sharded import batch, sharded_step
+from benchmarks._plots import finish_axes, saved
 from benchmarks._timing import time_peers
 
 KERNELS = {"fused (row-wise Adagrad)": (RowWiseAdagrad, {"lr": 0.01}), "fallback (Adam)": (torch.optim.Adam, {"lr": 0.01})}
@@ -63,11 +64,5 @@ def _plot(by_rows: dict, by_batch: dict, fixed_rows: int, fixed_batch: int, out:
     left.set(xscale="log", xlabel="table rows", ylabel="median step (ms)", title=f"table size (batch {fixed_batch})")
     right.set(xscale="log", yscale="log", xlabel="batch size", ylabel="median step (ms)",
               title=f"batch size ({fixed_rows:,} rows)")
-    for axis in (left, right):
-        axis.grid(alpha=0.3)
-        axis.legend()
-    fig.tight_layout()
-    path = out / "scaling.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return [path.name]
+    finish_axes(left, right)
+    return saved(fig, out, "scaling.png")
