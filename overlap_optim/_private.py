@@ -53,7 +53,6 @@ __all__ = [
     "fsdp_uid_label",
     "tree_leaves",
     "tensor_version",
-    "MODULE_PARAMETERS",
     "module_parameters",
     "muon_orthogonalized",
     "muon_adjusted_lr",
@@ -380,19 +379,14 @@ def _probe_version() -> int:
     return before
 
 
-# The key of an nn.Module's ``__dict__`` that holds its parameters by name (found there when all
-# one has is the dict). Private API: ``nn.Module._parameters``.
-MODULE_PARAMETERS = "_parameters"
-
-
 def module_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | None]:
     """The dict ``module`` keeps its own parameters in, by name (None where one was set to None),
     without its submodules'. Private API: ``nn.Module._parameters``."""
-    return module.__dict__[MODULE_PARAMETERS]
+    return module.__dict__["_parameters"]
 
 
 def _probe_module_parameters() -> dict:
-    parameters = torch.nn.Linear(1, 1).__dict__[MODULE_PARAMETERS]
+    parameters = module_parameters(torch.nn.Linear(1, 1))
     assert set(parameters) == {"weight", "bias"}, f"nn.Module._parameters holds {set(parameters)}"
     return parameters
 

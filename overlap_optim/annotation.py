@@ -105,7 +105,6 @@ def apply_optimizer_in_backward(
     group = AnnotationGroup(spec, state_dtype)
     for param in params:
         _annotate(param, group)
-    meta_params.remember(params)
     return group
 
 
@@ -169,6 +168,7 @@ def carry_over(module: torch.nn.Module) -> list[str]:
     meta parameter since (``Module.to_empty``) as its predecessor was, from the record
     :mod:`overlap_optim.meta_params` keeps; returns the FQNs re-annotated. Call it before anything
     takes the parameters over (a sharder, a DDP hook, FSDP)."""
+    meta_params.record_present(module)
     done = []
     for fqn, old, now in list(meta_params.recorded(module)):
         meta_params.forget(module, fqn)

@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from overlap_optim import _private, meta_params
+from overlap_optim import _private
 from overlap_optim.accumulation import accumulating
 from overlap_optim.record import group_of, record, record_of
 from overlap_optim.round import EndOfBackwardRound, Phase
@@ -387,7 +387,6 @@ def apply_gradient_clipping(
     clip = GradientClipping(max_norm, float(norm_type), clip_value, bool(error_if_nonfinite))
     for param in params:
         clip._join(param)
-    meta_params.remember(params)
     return clip
 
 

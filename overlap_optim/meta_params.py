@@ -1,56 +1,72 @@
-"""Where each annotated meta parameter sits, so that its annotation outlives ``Module.to_empty``.
+"""Where each meta parameter sits, so that an annotation outlives ``Module.to_empty``.
 
 ``Module.to_empty`` (and TorchRec's ``init_parameters``) replace each Parameter with a new one and
-drop what the old one carried: its annotation, its clipping set, its hooks. When a meta parameter is
-annotated or clipped, :func:`remember` writes it into the record of each module that holds it, by
-name; :func:`overlap_optim.annotation.carry_over` later annotates whatever parameter sits at that
-name now as its meta predecessor was. The record lives on the module, so a dropped model takes its
-record with it.
+drop what the old one carried: its annotation, its clipping set, its hooks.
+:func:`overlap_optim.annotation.carry_over` later annotates whatever parameter sits at a
+recorded name now as its meta predecessor was. The record lives on the module, so a dropped
+model takes its record with it.
 
-A parameter knows nothing of the module that holds it, so :func:`remember` asks the garbage
-collector for the dicts that refer to the meta parameters (a module's ``_parameters``) and for the
-module ``__dict__`` that holds each of those: two passes over the tracked objects per annotation
-call with meta parameters (some 50 ms with torchrec imported), none for real ones.
+The record is written where a module registers a meta parameter: torch's global
+parameter-registration hook (``register_module_parameter_registration_hook``), registered when
+this module is imported, records ``module -> name -> parameter`` for each meta parameter, at
+construction and when a parameter is tied into a module later. Annotating costs nothing here.
+
+What the hook did not see (a model built before ``overlap_optim`` was imported, or a parameter
+written into ``_parameters`` directly) is recorded by :func:`record_present`, the walk of a root
+module that each entry point (``carry_over``) runs first; a plain ``to_empty`` between such an
+annotation and the first entry point loses it, as it would without ``overlap_optim``.
 """
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from overlap_optim import _private
-from overlap_optim.record import module_record, module_record_of
+from overlap_optim.record import module_record, module_record_of, record_of
 
-__all__ = ["remember", "recorded", "forget"]
+__all__ = ["recorded", "record_present", "forget"]
 
-def remember(params: list[torch.Tensor]) -> None:
-    """Record each meta parameter of ``params`` on every module that holds it, under its name."""
-    meta = [p for p in params if p.is_meta]
-    if not meta:
-        return
-    slots = [d for d in gc.get_referrers(*meta) if isinstance(d, dict)]
-    for owner in gc.get_referrers(*slots):
-        if not (isinstance(owner, dict) and any(owner.get(_private.MODULE_PARAMETERS) is s for s in slots)):
-            continue
-        record = module_record(owner).meta_params
-        for name, value in owner[_private.MODULE_PARAMETERS].items():
-            if any(value is p for p in meta):
-                record[name] = value
+
+def _registered(module: nn.Module, name: str, param: torch.Tensor) -> None:
+    """torch's parameter-registration hook: record a meta parameter where ``module`` registers it."""
+    if param.is_meta:
+        module_record(module).meta_params[name] = param
+
+
+_HOOK = nn.modules.module.register_module_parameter_registration_hook(_registered)
+
+
+def _marked(param: torch.Tensor) -> bool:
+    found = record_of(param)
+    return found is not None and (found.group is not None or found.clipping is not None)
+
+
+def record_present(module: nn.Module) -> None:
+    """Record each annotated (or clipped) meta parameter that sits in ``module`` now."""
+    for sub in module.modules():
+        for name, param in _private.module_parameters(sub).items():
+            if param is not None and param.is_meta and _marked(param):
+                module_record(sub).meta_params[name] = param
 
 
 def recorded(module: nn.Module) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
-    """``(fqn, the meta parameter recorded there, the parameter there now)`` for each record in
-    ``module`` whose parameter was replaced (the one there now is not meta: it may be None, where
-    a sharder took the table)."""
+    """``(fqn, the meta parameter recorded there, the parameter there now)`` for each annotated
+    (or clipped) record in ``module`` whose parameter was replaced (the one there now is not that
+    one: it may be None, where a sharder took the table). The record of a replaced meta parameter
+    that carried nothing is dropped on the way."""
     for path, sub in module.named_modules():
         found = module_record_of(sub)
         for name, old in list(found.meta_params.items() if found is not None else ()):
             now = _private.module_parameters(sub).get(name)
-            if now is not old:
+            if now is old:
+                continue
+            if _marked(old):
                 yield f"{path}.{name}" if path else name, old, now
+            else:
+                del found.meta_params[name]
 
 
 def forget(module: nn.Module, fqn: str) -> None:

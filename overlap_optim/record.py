@@ -120,18 +120,15 @@ def set_live_optimizers(param: torch.Tensor, optimizers: list[Any]) -> None:
 
 def module_record_of(module: Any) -> ModuleRecord | None:
     """``module``'s record, or None if overlap_optim never marked it."""
-    return _namespace(module).get(_MODULE)
+    return module.__dict__.get(_MODULE)
 
 
 def module_record(module: Any) -> ModuleRecord:
-    """``module``'s record, made if missing. ``module``: an ``nn.Module`` (or any object with a
-    ``__dict__``: an FBGEMM kernel), or a module's ``__dict__`` itself, as ``gc`` finds it."""
-    namespace = _namespace(module)
+    """``module``'s record, made if missing. ``module``: an ``nn.Module``, or any object with a
+    ``__dict__`` (an FBGEMM kernel)."""
+    namespace = module.__dict__
     found = namespace.get(_MODULE)
     if found is None:
         found = namespace[_MODULE] = ModuleRecord()
     return found
 
-
-def _namespace(module: Any) -> dict[str, Any]:
-    return module if isinstance(module, dict) else module.__dict__

@@ -171,3 +171,23 @@ def test_carry_over_annotates_and_clips_what_to_empty_replaced_exactly_as_on_met
     _train_against(model, reference, ref_opts, before_step=lambda: torch.nn.utils.clip_grad_norm_(clipped, 1e-3))
 
 
+
+
+def test_a_meta_parameter_tied_into_a_module_after_its_annotation_is_carried_there_too(monkeypatch):
+    """Annotating scans nothing (no ``gc``); a parameter tied into another module after it was
+    annotated, and one written into ``_parameters`` behind torch's registration hook, are both
+    re-annotated at their places after a plain ``to_empty``."""
+    import gc
+
+    monkeypatch.setattr(gc, "get_referrers", lambda *a: pytest.fail("annotation scanned the heap"))
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(3, 3, device="meta"), "b": torch.nn.Linear(3, 3, device="meta"),
+                                 "c": torch.nn.Linear(3, 3, device="meta")})
+    apply_optimizer_in_backward(torch.optim.Adam, [model.a.weight, model.c.weight], {"lr": 0.01})
+    model.b.weight = model.a.weight  # tied after the annotation
+    model.c._parameters["weight"] = hidden = torch.nn.Parameter(torch.empty(3, 3, device="meta"))
+    apply_optimizer_in_backward(torch.optim.SGD, [hidden], {"lr": 0.1})  # never seen by torch's hook
+    assert carry_over(model) == []  # nothing replaced yet; the walk records ``c.weight``
+    model.to_empty(device="cpu")
+    assert sorted(carry_over(model)) == ["a.weight", "b.weight", "c.weight"]
+    assert [overlap_optim.record.group_of(model[m].weight).spec.name for m in "abc"] == ["Adam", "Adam", "SGD"]
+    assert all(overlap_optim.record.group_of(model[m].bias) is None for m in "abc")
