@@ -11,7 +11,8 @@ rates, table i at setting i % S); batch 256 per rank, 1-3 ids per bag. Swept ove
 - ``torchrec``: annotated with ``torchrec.optim.apply_optimizer_in_backward``, planned and sharded
   by TorchRec's own planner and sharder.
 
-Per (T, S), on rank 0: the annotation calls on a fresh model (per call), the build (plan + DMP),
+Per (T, S), on rank 0: the annotation calls on a fresh model (per call), the build (plan + DMP; each
+peer built once at T = 2 first, untimed, so that neither pays a process's first-build costs),
 the step (interleaved), and ``state_dict()`` and ``load_state_dict()`` of each peer's optimizer
 (``get_optimizers(dmp)`` against ``dmp.fused_optimizer``, interleaved). Peak RSS per peer in processes of their own at the
 largest T with S = 32 (quick: in one group). Plotted against T.
@@ -114,6 +115,8 @@ def _batches(tables: int, rank: int, count: int = 4) -> list:
 
 def _measure(rank: int, world_size: int, tables: int, settings: int, quick: bool) -> dict:
     warnings.filterwarnings("ignore")  # the bare head's warning from get_optimizers; TorchRec's planner notes
+    for peer in PEERS:  # untimed: what the first build in a process pays once (imports, TorchRec's caches)
+        _build(peer, 2, 1, world_size)
     built = {peer: _build(peer, tables, settings, world_size) for peer in PEERS}
     batches = _batches(tables, rank)
 
