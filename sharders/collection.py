@@ -146,10 +146,9 @@ class CollectionSharder:
         """The collection's table configs, in order."""
         raise NotImplementedError
 
-    def table_dtype(self, module: nn.Module, table: str) -> torch.dtype:
-        """The dtype ``table`` is stored in: its config's ``data_type`` (TorchRec's unsharded module
-        holds a BF16 table's weight in FP16)."""
-        return data_type_to_dtype(next(c for c in self.table_configs(module) if c.name == table).data_type)
+    def configs_by_name(self, module: nn.Module) -> dict[str, Any]:
+        """The collection's table configs, by table name."""
+        return {c.name: c for c in self.table_configs(module)}
 
     def check_options(self, device_type: str) -> None:
         """Raise ``NotImplementedError`` for a TorchRec option of this sharder that cannot run on
@@ -204,11 +203,6 @@ class CollectionSharder:
         install_dtype_check(sharded, whole.root if whole is not None else None)
         return sharded
 
-    def row_split_mean(self, module: nn.Module, table: str, sharding_type: str) -> bool:
-        """Whether ``table`` of ``module`` pools by MEAN and ``sharding_type`` splits its rows."""
-        pooling = next((getattr(c, "pooling", None) for c in self.table_configs(module) if c.name == table), None)
-        return pooling is not None and pooling.name == "MEAN" and sharding_type in ROW_SPLITTING
-
     def named_in(self, option: str, path: str, tables: Iterable[str]) -> frozenset[str]:
         """The tables of the module at ``path`` that ``option`` (``fallback_tables`` or
         ``dense_tables``) names: by table name, or qualified by the module's path
@@ -235,7 +229,7 @@ class CollectionSharder:
                 [list(s.shard_offsets) for s in shards], sharding.compute_kernel,
                 (config.num_embeddings, config.embedding_dim), device_type, torch_made,
                 pinned=pinned, dense=dense, shard_sizes=[list(s.shard_sizes) for s in shards],
-                variable_batch=self.variable_batch, dtype=data_type_to_dtype(config.data_type),
+                variable_batch=self.variable_batch, dtype=stored_dtype(config),
             )
         if _private.model_being_sharded() is None:  # else check_model checked the names across modules
             for option in ("fallback_tables", "dense_tables"):
@@ -249,8 +243,8 @@ class CollectionSharder:
                 "goes to your own optimizer, which decides their semantics"
             )
         kernels = {name: kernel_class(d.kind)(d) for name, d in decisions.items()}
-        for name, kernel in kernels.items():
-            kernel.row_split_mean = self.row_split_mean(module, name, params[name].sharding_type)
+        for config in configs:
+            kernels[config.name].row_split_mean = row_split_mean(config, params[config.name].sharding_type)
         if self.variable_batch:
             refused = {n: why for n, k in kernels.items() if (why := k.variable_batch_refusal()) is not None}
             if refused:
@@ -277,6 +271,18 @@ class CollectionSharder:
             fused_params[name] = {**table.fbgemm_kwargs(), **batch}
         with _private.annotations_read_as(lambda name: self.table_module(module, name).weight, fused_params):
             yield
+
+
+def stored_dtype(config: Any) -> torch.dtype:
+    """The dtype a table is stored in: its config's ``data_type`` (TorchRec's unsharded module holds
+    a BF16 table's weight in FP16)."""
+    return data_type_to_dtype(config.data_type)
+
+
+def row_split_mean(config: Any, sharding_type: str) -> bool:
+    """Whether the table of ``config`` pools by MEAN and ``sharding_type`` splits its rows."""
+    pooling = getattr(config, "pooling", None)
+    return pooling is not None and pooling.name == "MEAN" and sharding_type in ROW_SPLITTING
 
 
 def check_model(whole: _private.ModelBeingSharded, device_type: str) -> None:

@@ -55,7 +55,7 @@ from torchrec.distributed.sharding_plan import get_default_sharders
 
 from overlap_optim.spec import AnnotationGroup
 from sharders import _private
-from sharders.collection import CollectionSharder
+from sharders.collection import CollectionSharder, row_split_mean, stored_dtype
 from sharders.kernels import TableKernel, kernel_class
 from sharders.evictions import check_evictable, is_ours, refuse_managed_collision
 from sharders.optimizer_table import decide
@@ -127,8 +127,10 @@ class FittingEnumerator(EmbeddingEnumerator):
         super().__init__(topology=topology, batch_size=batch_size, constraints=constraints, estimator=estimators)
         self._device = topology.compute_device
         self._torch_made: dict[int, dict[str, AnnotationGroup]] = {}
+        self._configs: dict[int, dict[str, Any]] = {}  # each collection's table configs, by name
 
     def enumerate(self, module: nn.Module, sharders: list) -> list[ShardingOption]:
+        self._torch_made, self._configs = {}, {}  # this model's (a module's id may be another's later)
         options = super().enumerate(module, sharders)
         kept, refusals = [], {}
         for option in options:
@@ -168,6 +170,9 @@ class FittingEnumerator(EmbeddingEnumerator):
             sharder, module = sharder.collection_sharder, _private.mc_collection_of(module)
         if not isinstance(sharder, CollectionSharder):
             return None
+        configs = self._configs.get(id(module))
+        if configs is None:
+            configs = self._configs[id(module)] = sharder.configs_by_name(module)
         try:
             decision = decide(
                 option.name, option.tensor, option.sharding_type, [list(s.offset) for s in option.shards],
@@ -176,12 +181,12 @@ class FittingEnumerator(EmbeddingEnumerator):
                 pinned=sharder.named_in("fallback_tables", path, [option.name]),
                 dense=sharder.named_in("dense_tables", path, [option.name]),
                 shard_sizes=[list(s.size) for s in option.shards],
-                variable_batch=sharder.variable_batch, dtype=sharder.table_dtype(module, option.name),
+                variable_batch=sharder.variable_batch, dtype=stored_dtype(configs[option.name]),
             )
         except (ValueError, NotImplementedError) as err:
             return str(err)
         kernel = kernel_class(decision.kind)(decision)
-        kernel.row_split_mean = sharder.row_split_mean(module, option.name, option.sharding_type)
+        kernel.row_split_mean = row_split_mean(configs[option.name], option.sharding_type)
         if sharder.variable_batch and kernel.variable_batch_refusal() is not None:
             return f"variable_batch=True: {kernel.variable_batch_refusal()}"
         if evictable:
