@@ -25,8 +25,6 @@ from overlap_optim.record import group_of
 PLACEHOLDERS = "placeholders"
 
 
-# What FBGEMM's fused kernels call their optimizer state (TorchRec's fused_optimizer keeps the names).
-_FBGEMM_STATE = frozenset({"momentum1", "momentum2", "prev_iter", "row_counter"})
 
 
 class _Shape(tuple):
@@ -73,16 +71,17 @@ def check_keys(
         names = [n for s in state.values() if isinstance(s, Mapping) for n in s]
         raise ValueError(
             f"optimizer state does not match the model: missing keys {missing}, "
-            f"unexpected keys {unexpected}{stock_hint(unexpected + names)}"
+            f"unexpected keys {unexpected}{stock_hint(names)}"
         )
 
 
 def stock_hint(names: Any) -> str:
-    """A pointer to the converter when ``names`` (keys or state names) are FBGEMM's, as stock
-    TorchRec's ``fused_optimizer.state_dict()`` has them; else nothing."""
-    if any(str(n).rsplit(".", 1)[-1] in _FBGEMM_STATE for n in names):
-        return (". FBGEMM's state names: this is stock TorchRec's fused_optimizer.state_dict(); convert it "
-                "with overlap_optim.checkpoint.from_torchrec(state_dict, model, fused_params) (docs/migration.md)")
+    """A pointer to the converter when state ``names`` are qualified by a table's name
+    (``"t0.momentum1"``), as stock TorchRec's ``fused_optimizer.state_dict()`` names them (a
+    torch.optim state name has no dot); else nothing."""
+    if any("." in str(n) for n in names):
+        return (". State names qualified by a table's name: this is stock TorchRec's fused_optimizer.state_dict(); "
+                "convert it with sharders.from_torchrec(state_dict, model, fused_params) (docs/migration.md)")
     return ""
 
 

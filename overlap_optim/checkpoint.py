@@ -26,8 +26,8 @@ with both dtypes, unless the cast is asked for (:func:`load`'s ``cast=True``). :
 is the same rule for a plain ``dcp.load``, :func:`refuse_other_dtypes` the rule itself (also run by
 our sharded collections' ``load_state_dict``).
 
-:func:`from_torchrec` converts a stock TorchRec ``fused_optimizer.state_dict()``
-(FBGEMM's names, plan-dependent keys) into this form, for ``load_state_dict``.
+:func:`sharders.from_torchrec` converts a stock TorchRec ``fused_optimizer.state_dict()``
+(its kernels' names, plan-dependent keys) into this form, for ``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -52,9 +52,15 @@ from overlap_optim._state_schema import PLACEHOLDERS, agree
 from overlap_optim._private import Shard, ShardedTensor, sharded_tensor_from_local_shards, sharded_tensor_process_group
 from overlap_optim.keyed import ddp_prefixes, unwrapped_name, unwrapped_path
 from overlap_optim.record import module_record_of
-from overlap_optim.torchrec_checkpoint import from_torchrec
 
-__all__ = ["save", "load", "latest", "CheckpointError", "LoadPlanner", "refuse_other_dtypes", "from_torchrec"]
+__all__ = ["save", "load", "latest", "CheckpointError", "LoadPlanner", "refuse_other_dtypes"]
+
+
+def __getattr__(name: str) -> Any:
+    """``from_torchrec`` moved to ``sharders`` (it reads TorchRec's kernels' state): say where."""
+    if name == "from_torchrec":
+        raise AttributeError("overlap_optim.checkpoint.from_torchrec moved: use sharders.from_torchrec (docs/migration.md)")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # DCP reports read failures as CheckpointException, a BaseException.
 _READ_ERRORS = (Exception, CheckpointException)

@@ -180,7 +180,7 @@ class GradientClipping:
 
     def hold(self, partial: torch.Tensor, then: Callable[[], None], release: Callable[[], None] | None = None) -> None:
         """For a participant that holds no gradient tensor to scale (a fused table, whose
-        gradient FBGEMM forms inside its update): add its own ``partial`` (``sum |g|^p``, or
+        gradient its kernel forms inside its update): add its own ``partial`` (``sum |g|^p``, or
         ``max |g|`` for inf, of this rank's gradient, one float64 element) to the norm, and
         run ``then()`` at the end of backward, which reads :attr:`coefficient`, the 0-d
         float32 factor every gradient of the set is multiplied by (``release()`` instead, if the

@@ -2,7 +2,7 @@
 
 Whoever holds a gradient once it is final (a parameter's hook, a DDP bucket once
 reduced, an FSDP group, a layer-wise step across FSDP shards, a fallback table
-kernel, FBGEMM's held backward) hands it to :func:`take` with the update that
+kernel, a fused kernel's held backward) hands it to :func:`take` with the update that
 reads it, and the path is the same for all of them:
 
 1. **Window.** Inside :func:`overlap_optim.no_step` the participant keeps its
@@ -57,7 +57,7 @@ def take(
         keep: what the participant keeps of its gradient inside the window (None: it stays on ``.grad``).
         replicated: every rank holds these very gradients (DDP-averaged): rank 0 alone adds
             them to the norm.
-        norm: for a participant that holds no gradient tensor to scale (FBGEMM forms it inside
+        norm: for a participant that holds no gradient tensor to scale (its kernel forms it inside
             its update): its own partial norm, made only if needed (see
             :meth:`~overlap_optim.clipping.GradientClipping.hold`).
         release: what runs instead of ``step`` when the clipping set refuses the step: free what

@@ -57,7 +57,7 @@ class ModuleRecord:
     step_tracker: Any = None  # accumulation.StepTracker of a model
     warned_bare: list[str] | None = None  # get_optimizers warned once about these unoptimized parameters
     meta_params: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # meta_params' record
-    held_backward: Any = None  # sharders.fused_backward's hold on an FBGEMM module
+    held_backward: Any = None  # sharders.fused_backward's hold on a fused kernel module
     keyed_optimizers: Any = None  # keyed's optimizers checked before a forward
     window: Any = None  # accumulation.Window: of a model (window_of), or of the model of a sharded module
     checks_load_dtypes: bool = False  # sharders.weight_dtypes' load_state_dict pre-hook is on this model's root
@@ -125,7 +125,7 @@ def module_record_of(module: Any) -> ModuleRecord | None:
 
 def module_record(module: Any) -> ModuleRecord:
     """``module``'s record, made if missing. ``module``: an ``nn.Module``, or any object with a
-    ``__dict__`` (an FBGEMM kernel)."""
+    ``__dict__`` (a fused kernel)."""
     namespace = module.__dict__
     found = namespace.get(_MODULE)
     if found is None:

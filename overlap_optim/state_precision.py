@@ -13,7 +13,7 @@ multi-tensor update of a virtual group (the DDP hook, FSDP2 groups), and the tab
 a fallback table (which keeps its rows' state in ``state_dtype`` and reads the touched rows in
 float32). A whole-shard or cross-shard table's step, whose two halves a round may separate, takes
 :func:`working` copies when it starts and :func:`write_back` when it ends; so does the whole-table
-step of an FP16 or BF16 data-parallel table (``sharders.replicated``). FBGEMM's kernels on CPU
+step of an FP16 or BF16 data-parallel table (``sharders.replicated``). The fused kernels on CPU
 cannot: such tables do not fuse.
 
 Example:

@@ -39,13 +39,13 @@ __all__ = [
 # scatters the results back. Its cost follows the number of touched rows, not the
 # table size.
 #
-# Semantics (lazy, as FBGEMM's fused kernels and ``torch.optim.SparseAdam``):
+# Semantics (lazy, as the fused kernels and ``torch.optim.SparseAdam``):
 #
 # - Untouched rows and their row state do not change.
 # - Duplicate ids are summed by the caller before one update.
 # - State that is not per row (``step`` counters, NAdam's ``mu_product``) is per
-#   table and advances at every step, touched rows or not (as FBGEMM's
-#   iteration counter and ``SparseAdam`` on an empty gradient do), so every shard
+#   table and advances at every step, touched rows or not (as a fused
+#   kernel's iteration counter and ``SparseAdam`` on an empty gradient do), so every shard
 #   of a table holds the same count.
 # - When every row is touched at every step, the result is that of dense
 #   ``torch.optim`` on the whole table.

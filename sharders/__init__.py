@@ -15,9 +15,10 @@ from sharders.optimizer_table import choose_kernel
 from sharders.planner import EmbeddingShardingPlanner
 from sharders.plan import ShardedModulePlan, plan_of
 from sharders.storage_reservation import DenseStorageReservation, dense_bytes
+from sharders.torchrec_checkpoint import from_torchrec
 
 __all__ = [
     "DataParallelWrapper", "FullyShardWrapper", "DenseStorageReservation", "dense_bytes", "describe", "EmbeddingBagCollectionSharder", "EmbeddingCollectionSharder", "EmbeddingShardingPlanner", "KernelChoice", "KernelKind", "TableDecision",
     "ManagedCollisionEmbeddingBagCollectionSharder", "ManagedCollisionEmbeddingCollectionSharder",
-    "TableKernel", "ShardedModulePlan", "choose_kernel", "plan_of",
+    "TableKernel", "ShardedModulePlan", "choose_kernel", "plan_of", "from_torchrec",
 ]

@@ -1,4 +1,4 @@
-"""Rank bodies for ``checkpoint.from_torchrec`` (spawned; not collected by pytest).
+"""Rank bodies for ``sharders.from_torchrec`` (spawned; not collected by pytest).
 
 Stock TorchRec (its sharders; FBGEMM's fused optimizers through ``fused_params`` or through
 TorchRec's ``apply_optimizer_in_backward``) trains a few steps beside one process of
@@ -21,10 +21,10 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 import overlap_optim
+import sharders
 from _models import ManySequenceModel, ManyTableModel, concat_batches, covering_batch, loss_of
 from _reshard_bodies import _local_snapshot, _same
 from _sharded_parity import build, local_pieces
-from overlap_optim import checkpoint
 
 LR, EPS = 0.1, 1e-8
 # Stock's optimizer of each table, and the torch.optim annotation of ours that computes its update.
@@ -137,7 +137,7 @@ def continue_from_stock(rank, world_size, source, family="ebc", other_plan=False
             state = ours.state_dict()
             for key, value in reference.dense.state_dict().items():
                 state[f"dense.{key}"].copy_(value)
-        converted = checkpoint.from_torchrec(saved, ours, fused, annotations=annotations, step=STOCK_STEPS)
+        converted = sharders.from_torchrec(saved, ours, fused, annotations=annotations, step=STOCK_STEPS)
         out["step"] += [float(s["step"]) for s in converted["state"].values() if "step" in s]
         keyed = overlap_optim.get_optimizers(ours)
         keyed.load_state_dict(converted)
@@ -192,17 +192,17 @@ def refused(rank, world_size):
         keyed = overlap_optim.get_optimizers(ours)
         loss_of(ours, covering_batch(REFUSAL_NAMES, torch.Generator().manual_seed(9))).backward()  # state to keep
         snapshots.append((ours, keyed, _local_snapshot(ours, keyed)))
-    out["settings"] = _error(lambda: checkpoint.from_torchrec(saved, mismatched, annotations=stock_settings))
+    out["settings"] = _error(lambda: sharders.from_torchrec(saved, mismatched, annotations=stock_settings))
     broken = {"state": {k: dict(v) for k, v in saved["state"].items()}}
     if rank == 1:  # a check that fails on this rank only
         key = next(iter(broken["state"]))
         broken["state"][key] = {n: "not a tensor" for n in broken["state"][key]}
-    out["one_rank"] = _error(lambda: checkpoint.from_torchrec(broken, matching, annotations=stock_settings))
-    out["no_settings"] = _error(lambda: checkpoint.from_torchrec(saved, matching))
-    out["bad_step"] = _error(lambda: checkpoint.from_torchrec(saved, matching, annotations=stock_settings, step=-1))
-    out["not_a_dict"] = _error(lambda: checkpoint.from_torchrec([saved], matching, annotations=stock_settings))
-    out["unsupported"] = _error(lambda: checkpoint.from_torchrec(saved, matching, {"optimizer": EmbOptimType.ADAM}))
-    out["weight_decay"] = _error(lambda: checkpoint.from_torchrec(
+    out["one_rank"] = _error(lambda: sharders.from_torchrec(broken, matching, annotations=stock_settings))
+    out["no_settings"] = _error(lambda: sharders.from_torchrec(saved, matching))
+    out["bad_step"] = _error(lambda: sharders.from_torchrec(saved, matching, annotations=stock_settings, step=-1))
+    out["not_a_dict"] = _error(lambda: sharders.from_torchrec([saved], matching, annotations=stock_settings))
+    out["unsupported"] = _error(lambda: sharders.from_torchrec(saved, matching, {"optimizer": EmbOptimType.ADAM}))
+    out["weight_decay"] = _error(lambda: sharders.from_torchrec(
         saved, matching, {"optimizer": EmbOptimType.EXACT_SGD, "weight_decay": 0.01}, annotations=stock_settings))
     out["unchanged"] = []
     for ours, keyed, before in snapshots:
@@ -210,7 +210,7 @@ def refused(rank, world_size):
         out["unchanged"].append(same)
     out["entries"] = [len(before) for _, _, before in snapshots]
     out["matching"] = _error(lambda: overlap_optim.get_optimizers(matching).load_state_dict(
-        checkpoint.from_torchrec(saved, matching, annotations=stock_settings)))
+        sharders.from_torchrec(saved, matching, annotations=stock_settings)))
     return out
 
 

@@ -156,12 +156,12 @@ def test_a_load_that_fails_a_check_on_one_rank_is_refused_on_every_rank_and_chan
 
 @pytest.mark.parametrize("case", ["state_dict/stock"])
 def test_a_stock_torchrec_state_dict_is_refused_alike_on_every_rank(two, case):
-    """Plan-dependent keys and FBGEMM's state names: refused, the same error on both ranks (on the main
+    """Plan-dependent keys and state names qualified by a table's: refused, the same error on both ranks (on the main
     of 2026-11-26 one rank raised and the other waited in all_gather_object until its timeout)."""
     errors = [out["error"] for out in two[case]]
     assert errors[0] != "no error" and errors[0] == errors[1], errors
     assert "optimizer state does not match the model" in errors[0] or "differs across ranks" in errors[0], errors
-    assert "convert it with overlap_optim.checkpoint.from_torchrec" in errors[0], errors
+    assert "convert it with sharders.from_torchrec" in errors[0], errors
     assert all(out["unchanged"] for out in two[case])
 
 

@@ -1,4 +1,4 @@
-"""checkpoint.from_torchrec: a stock TorchRec fused-optimizer state dict, converted and trained on (2 ranks, gloo)."""
+"""sharders.from_torchrec: a stock TorchRec fused-optimizer state dict, converted and trained on (2 ranks, gloo)."""
 
 from __future__ import annotations
 
@@ -89,3 +89,11 @@ def test_a_refusal_changes_nothing_and_the_matching_model_loads(ranks):
         assert out["unchanged"] == [True, True], f"rank {rank}"
         assert min(out["entries"]) > 0
         assert out["matching"] == "no error", f"rank {rank}: {out['matching']}"
+
+
+def test_the_old_place_of_the_converter_names_its_new_one():
+    """``from_torchrec`` moved to ``sharders`` (the core knows no kernel's state names)."""
+    from overlap_optim import checkpoint
+
+    with pytest.raises(AttributeError, match=r"use sharders\.from_torchrec \(docs/migration\.md\)"):
+        checkpoint.from_torchrec  # noqa: B018

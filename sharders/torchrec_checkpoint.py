@@ -118,7 +118,7 @@ def from_torchrec(
     Example:
         >>> stock = dmp_stock.fused_optimizer.state_dict()   # EXACT_ADAGRAD, learning_rate 0.1, eps 1e-8
         >>> opt = overlap_optim.get_optimizers(model)         # Adagrad(lr=0.1, eps=1e-8) on every table
-        >>> opt.load_state_dict(checkpoint.from_torchrec(stock, model, fused_params, fresh=["dense.0.weight"]))
+        >>> opt.load_state_dict(sharders.from_torchrec(stock, model, fused_params, fresh=["dense.0.weight"]))
     """
     group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
     try:
