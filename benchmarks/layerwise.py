@@ -258,7 +258,8 @@ def run(quick: bool) -> dict:
     comm = ranks[0]["comm"]
     extra_calls = comm["Adafactor"]["calls"] - comm["Adam"]["calls"]
     extra_bytes = comm["Adafactor"]["bytes"] - comm["Adam"]["bytes"]
-    from overlap_optim.cross_shard import AdafactorTable, Geometry
+    from overlap_optim.cross_shard_adafactor import AdafactorTable
+    from overlap_optim.cross_shard_base import Geometry
 
     slot = AdafactorTable.slot_size(Geometry((COMM_ROWS, DIM), (0, 0), 0))
     expected = COMM_TABLES * slot * 8

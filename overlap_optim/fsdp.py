@@ -15,7 +15,7 @@ parameter only if it is separable along dim 0 (``OptimizerSpec.row_separable``;
 element-wise along a 1-D parameter). Layer-wise optimizers (Adafactor, LAMB,
 LARS, CAME, Muon) are not; on 2-D parameters, and all but Muon on 1-D ones (biases),
 they step across FSDP's shards with the core's cross-shard form
-(:mod:`overlap_optim.cross_shard`, :class:`CrossShardStep`): one all-reduce of
+(:mod:`overlap_optim.cross_shard_base`, :class:`CrossShardStep`): one all-reduce of
 whole-tensor statistics per step for all of them (Muon's is the whole matrix: a
 gather). Those on other shapes (Muon on a vector, which torch's Muon refuses as
 well), and optimizers with no cross-shard form, are refused, naming the parameter.
@@ -42,7 +42,8 @@ from overlap_optim.annotation import (
     annotation_of_fsdp_uid, carry_over, reattach_annotations, record_annotations, replace_step_hook,
 )
 from overlap_optim.clipping import clipping_of
-from overlap_optim.cross_shard import CrossShardOptimizer, Geometry, cross_shard_class, sharded_state_layouts
+from overlap_optim.cross_shard import cross_shard_class
+from overlap_optim.cross_shard_base import CrossShardOptimizer, Geometry, sharded_state_layouts
 from overlap_optim.record import group_of, record
 from overlap_optim.gradient_path import releasing_grad, take
 from overlap_optim.round import EndOfBackwardRound, Phase
@@ -109,7 +110,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, **kwargs: Any) -> nn.Mod
 
 class CrossShardStep:
     """The post-accumulate-grad hook of a parameter (a matrix or a vector) whose layer-wise optimizer
-    steps across FSDP's dim-0 shards (:mod:`overlap_optim.cross_shard`): right after the
+    steps across FSDP's dim-0 shards (:mod:`overlap_optim.cross_shard_base`): right after the
     reduce-scatter, the first half of the update on this rank's rows (or elements; none, on an
     empty shard) and its partial sums into the module's round; the round's one all-reduce at the
     end of backward, then the second half. The state is the parameter's live optimizer's, its

@@ -5,7 +5,7 @@
   real update drops it unless something was loaded).
 - :class:`RowOptimizer`: the rows of a table that a batch touched (lazy);
   :class:`DenseTableOptimizer`: a whole table, untouched rows on a zero gradient (and the
-  base of :mod:`overlap_optim.cross_shard`'s layer-wise forms).
+  base of :mod:`overlap_optim.cross_shard_base`'s layer-wise forms).
 - :func:`step_tables` / :func:`step_touched`: the tables of one kernel at once: tables
   whose settings differ only in floats share one multi-tensor update
   (:mod:`overlap_optim.virtual_groups`), a table that steps in one compiled pass
@@ -69,7 +69,7 @@ class TableOptimizer:
 
     Args:
         weight: the table shard, ``(rows, dim)``, or the shard of a vector that a cross-shard
-            optimizer steps under FSDP2 (:mod:`overlap_optim.cross_shard`); updated in place.
+            optimizer steps under FSDP2 (:mod:`overlap_optim.cross_shard_base`); updated in place.
         group: the table's annotation.
         name: the table's name, for errors.
     """

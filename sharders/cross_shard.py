@@ -3,7 +3,7 @@
 Its shards run in the fallback kernel (:mod:`sharders.fallback`) and meet in the
 module's end-of-backward round: one all-reduce of whole-table statistics per
 step, whatever the number of such tables. The per-shard math is the core's
-(:mod:`overlap_optim.cross_shard`), shared with FSDP2's parameter shards.
+(:mod:`overlap_optim.cross_shard_base`, one file per optimizer), shared with FSDP2's parameter shards.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from overlap_optim.cross_shard import CrossShardOptimizer, Geometry, cross_shard_class, sharded_state_layouts
+from overlap_optim.cross_shard import cross_shard_class
+from overlap_optim.cross_shard_base import CrossShardOptimizer, Geometry, sharded_state_layouts
 from overlap_optim.round import EndOfBackwardRound
 from sharders.fallback import FallbackTable
 from sharders.kernels import BuildContext, KernelKind, split_axis
@@ -45,7 +46,7 @@ class CrossShardTable(FallbackTable):
 
     def step_bytes(self, shard_shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> int:
         """What its optimizer's cross-shard form allocates at the peak of a step
-        (:meth:`overlap_optim.cross_shard.CrossShardOptimizer.step_bytes`): for Adafactor no
+        (:meth:`overlap_optim.cross_shard_base.CrossShardOptimizer.step_bytes`): for Adafactor no
         shard-sized gradient (it steps the touched rows), for LAMB, CAME and LARS the gradient and
         the shard-sized temporaries made from it, for Muon the whole matrix in the round; and the
         table's slot of the round."""

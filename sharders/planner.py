@@ -25,7 +25,7 @@ enumerator that, for every sharding option of a table sharded by our sharders:
   ones), plus what the kernel allocates at the peak of a step
   (:meth:`~sharders.kernels.TableKernel.step_bytes`): the shard-sized gradient
   of a dense table; for a cross-shard table, what its optimizer's cross-shard
-  form allocates (:meth:`overlap_optim.cross_shard.CrossShardOptimizer.step_bytes`:
+  form allocates (:meth:`overlap_optim.cross_shard_base.CrossShardOptimizer.step_bytes`:
   no shard-sized gradient for Adafactor, which steps the touched rows; the
   gradient and the shard-sized temporaries made from it for LAMB, LARS and
   CAME; the whole matrix for Muon) and its slot of the round. Buffers the size
