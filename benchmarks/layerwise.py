@@ -6,7 +6,7 @@
    - ``ours (2 ranks x 1 thread)``: the table annotated with ``torch.optim.Adafactor``,
      sharded ``row_wise`` by ``sharders.EmbeddingBagCollectionSharder`` under
      ``DistributedModelParallel`` on 2 gloo ranks, each with half the batch; the update
-     runs in backward, whole-table statistics in one all-reduce (``overlap_optim/cross_shard.py``);
+     runs in backward, whole-table statistics in one all-reduce (``overlap_optim/cross_shard_adafactor.py``);
    - ``one_process (2 threads)``: what a user does without us: ``nn.EmbeddingBag`` (dense
      gradient) holding the whole table in one process, the whole batch, and
      ``torch.optim.Adafactor`` stepped after backward; ``one_process (1 thread)`` the same

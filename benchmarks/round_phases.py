@@ -3,7 +3,7 @@
 When backward ends, overlap_optim runs its end-of-backward rounds (``overlap_optim/round.py``):
 each clipping set by norm has one (phase ``CLIP``: the global norm), and each sharded module with
 layer-wise tables split across the ranks has one (phase ``STATISTICS``: the whole-table
-statistics, ``overlap_optim/cross_shard.py``). Each round is one all-reduce until rounds of one
+statistics, ``overlap_optim/cross_shard_base.py``). Each round is one all-reduce until rounds of one
 phase and process group merge; then a step makes one per phase, however many sets and modules.
 
 Model: 3 EmbeddingBagCollections, each with one Adafactor table (20k x 64; quick: 2k x 64),

@@ -77,7 +77,7 @@ NOTES = {
     "layerwise": (
         "Each rank's Adafactor step costs its touched rows plus two passes over its shard (the weight's norm "
         "and the weight decay): an untouched row's gradient is zero, so it adds nothing to the round's sums and its "
-        "update is zero (`overlap_optim/cross_shard.py`). torch's Adafactor on the whole table makes about ten passes "
+        "update is zero (`overlap_optim/cross_shard_adafactor.py`). torch's Adafactor on the whole table makes about ten passes "
         "over a dense gradient the size of the table. Before this (2026-11-23 report: 0.59x against 2 threads) "
         "each rank built that zero-filled gradient and made about 3x torch's passes over it. The 2 ranks share "
         "the machine's 2 cores, as the one-process peer's 2 threads do. The split also buys memory: a table "
@@ -294,7 +294,7 @@ NOTES = {
         "each with its own input and output dists. Across machines, where an all-reduce "
         "costs its network latency, the count is what costs. Adafactor runs with `eps=(1e-16, 1e-3)`: with "
         "torch's default eps1 the clipped gradients of the split tables met the variance floor, and the "
-        "cross-shard step refused to go on (`overlap_optim/cross_shard.py`)."
+        "cross-shard step refused to go on (`overlap_optim/cross_shard_adafactor.py`)."
     ),
     "precision": (
         "One 4M x 64 Adam table, row_wise on 2 ranks (2M rows a rank). Peak RSS per rank, measured 2026-11-26: "
