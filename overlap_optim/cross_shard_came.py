@@ -8,10 +8,10 @@ per element and no confidence factor.
 
 Per step, one slot in the ``STATISTICS`` round, summed across ranks:
 
-- a table: ``||w||^2``, and along the unsplit axis the partial sums of ``g^2 + eps1``, and the
-  three partial sums that expand the residual's means (``sum h^2``, ``sum h m_old``,
-  ``sum m_old^2``); on row shards also the sums of the row factor and of the residual's row
-  factor: ``3 + 4 C`` floats (row shards) or ``1 + 4 R`` (column shards);
+- a table: ``||w||^2``, and along the unsplit axis the partial sums of ``g^2 + eps1`` and the
+  three that expand the residual's means (``sum h^2``, ``sum h m_old``, ``sum m_old^2``, ``h``
+  the gradient over the local factor); on row shards also the sums of the row factor and of
+  the residual's row factor: ``3 + 4 C`` floats (row shards) or ``1 + 4 R`` (column shards);
 - a vector: ``||w||^2`` and ``||u||^2``, 2 floats.
 """
 

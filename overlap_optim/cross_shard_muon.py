@@ -4,9 +4,9 @@ rows or columns; as torch's, matrices only.
 Momentum (Nesterov's, if set) on each shard, then torch's own Newton-Schulz
 orthogonalisation and learning-rate rule on the whole matrix.
 
-Per step, one slot in the ``STATISTICS`` round, summed across ranks: the whole matrix, R C
-floats, each shard's momentum-corrected update at its own offsets and zeros elsewhere (a
-gather).
+Per step, one slot in the ``STATISTICS`` round, summed across ranks: the whole matrix,
+``R * C`` floats, each shard's momentum-corrected update at its own offsets and zeros
+elsewhere (a gather).
 """
 
 from __future__ import annotations
