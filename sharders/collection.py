@@ -61,7 +61,8 @@ from overlap_optim.spec import AnnotationGroup
 from sharders import _private
 from sharders._private import kernels_of
 from sharders.data_parallel import DataParallelWrapper, FullyShardWrapper
-from sharders.kernels import ROW_SPLITTING, BuildContext, TableKernel, kernel_class
+from sharders.kernels import ROW_SPLITTING, BuildContext, TableKernel
+from sharders.kinds import Kind, check_kinds
 from sharders.live_settings import install_settings_check
 from sharders.evictions import check_evictable, is_ours, refuse_managed_collision_sharding
 from sharders.optimizer_table import decide
@@ -98,6 +99,7 @@ class CollectionSharder:
         fallback_tables: Iterable[str] = (),
         dense_tables: Iterable[str] = (),
         variable_batch: bool = False,
+        kinds: Iterable[Kind] = (),
         **kwargs: Any,
     ) -> None:
         """
@@ -113,10 +115,14 @@ class CollectionSharder:
                 that no kernel runs so (data-parallel, frozen, unannotated) is refused at sharding.
                 Without it, fused SGD and row-wise Adagrad take VBE batches in FBGEMM, and a VBE batch
                 that reaches a table that cannot is refused at its first lookup.
+            kinds: table kinds of your own (:class:`sharders.kinds.Kind` lines: a
+                :class:`~sharders.kernels.TableKernel` subclass, when it runs a table, its install
+                order), tried before the built-in ones (:data:`sharders.kinds.KINDS`).
             **kwargs: TorchRec's other arguments.
 
         Raises:
-            TypeError: a table list given as one string.
+            TypeError: a table list given as one string; a ``kinds`` line that is not a ``Kind``.
+            ValueError: a kind of ``kinds`` named as another kind is.
             ValueError: ``fused_params`` that set an optimizer.
         """
         for option, names in (("fallback_tables", fallback_tables), ("dense_tables", dense_tables)):
@@ -127,6 +133,7 @@ class CollectionSharder:
         if not isinstance(variable_batch, bool):
             raise TypeError(f"variable_batch takes True or False, got {variable_batch!r}")
         self.variable_batch = variable_batch
+        self.kinds = check_kinds(kinds)
         optimizer_keys = sorted(set(fused_params or {}) & {"optimizer", "learning_rate", "eps", "weight_decay"})
         if optimizer_keys:
             raise ValueError(
@@ -229,7 +236,7 @@ class CollectionSharder:
                 [list(s.shard_offsets) for s in shards], sharding.compute_kernel,
                 (config.num_embeddings, config.embedding_dim), device_type, torch_made,
                 pinned=pinned, dense=dense, shard_sizes=[list(s.shard_sizes) for s in shards],
-                variable_batch=self.variable_batch, dtype=stored_dtype(config),
+                variable_batch=self.variable_batch, dtype=stored_dtype(config), kinds=self.kinds,
             )
         if _private.model_being_sharded() is None:  # else check_model checked the names across modules
             for option in ("fallback_tables", "dense_tables"):
@@ -242,7 +249,7 @@ class CollectionSharder:
                 f"dense_tables names tables with no in-backward optimizer: {unannotated}; their gradient "
                 "goes to your own optimizer, which decides their semantics"
             )
-        kernels = {name: kernel_class(d.kind)(d) for name, d in decisions.items()}
+        kernels = {name: d.kind.cls(d) for name, d in decisions.items()}
         for config in configs:
             kernels[config.name].row_split_mean = row_split_mean(config, params[config.name].sharding_type)
         if self.variable_batch:
@@ -358,11 +365,11 @@ def _build(context: BuildContext) -> None:
         adopt = type(tables[0]).adopt
         assert all(type(t).adopt.__func__ is adopt.__func__ for t in tables), f"one TorchRec kernel, several kinds: {tables}"
         adopt(kernel, tables, context)
-    by_kind: dict[type[TableKernel], list[TableKernel]] = {}
+    by_kind: dict[Kind, list[TableKernel]] = {}
     for table in context.tables.values():
-        by_kind.setdefault(type(table), []).append(table)
-    for cls, tables in sorted(by_kind.items(), key=lambda item: item[0].install_order):
-        cls.install(tables, context)
+        by_kind.setdefault(table.decision.kind, []).append(table)
+    for kind, tables in sorted(by_kind.items(), key=lambda item: item[0].install_order):
+        kind.cls.install(tables, context)
     arms = [context.round.arm] if context.round.slots else []
     clips = {id(t.clip): t.clip for t in context.tables.values() if t.clip is not None and t.clip.by_norm}
     arms += [clip.arm for clip in clips.values()]  # in the tables' order: the same on every rank

@@ -49,7 +49,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from overlap_optim.spec import AnnotationGroup, describe_optimizer, needs_closure
 from sharders import fused_rows
 from sharders.fused_backward import HeldBackward
-from sharders.kernels import BuildContext, KernelChoice, KernelKind, LocalShard, TableKernel
+from sharders.kernels import DTYPE_NAMES, BuildContext, KernelChoice, KernelKind, LocalShard, TableKernel
 
 __all__ = [
     "RULES", "VARIABLE_BATCH_OPTIMIZERS", "choose_kernel", "FUSED_ROW_STATE", "FusedTable", "FusedShardState",
@@ -148,6 +148,12 @@ def choose_kernel(
     return rule(settings, device_type)
 
 
+# Why a low-precision table does not fuse (FBGEMM_NOTES.md, fbgemm-gpu-cpu 1.8.0).
+_NOT_FUSED_LOW_PRECISION = (
+    "FBGEMM's CPU TBE rounds the update to FP16 before adding it (two roundings a step) and has no BF16 kernels; "
+    "an FP16 table fuses only where our compiled backward steps it (CPU, the extension built)"
+)
+
 # Per-row state of each fused kernel type: torch.optim name -> row-wise (one value per row)?
 FUSED_ROW_STATE = {
     EmbOptimType.EXACT_SGD: {},
@@ -168,6 +174,27 @@ class FusedTable(TableKernel):
     # FP16 only where our compiled backward steps it, in float32, rounded once (sharders.fused_rows):
     # the table's choice keeps any other FP16 table out of the fused kernel.
     precisions = frozenset({torch.float32, torch.float16})
+
+    @staticmethod
+    def keeps(choice: KernelChoice, *, device_type: str, sharding_type: str, shard_sizes: list[list[int]],
+              group: AnnotationGroup, dtype: torch.dtype, cross_shard: bool) -> KernelChoice:
+        """``choice`` (fused), or the fallback's, with the reason, where FBGEMM would not be exact
+        on this table: a shard with no rows on CPU, low-precision state, a low-precision weight
+        that FBGEMM would round twice (an FP16 one fuses where our compiled backward steps it in
+        float32 and rounds once: :func:`sharders.fused_rows.applies`), or a table split across an
+        axis its optimizer's statistic spans."""
+        if device_type == "cpu" and any(0 in size for size in shard_sizes):
+            return KernelChoice(False, reason="a shard with no rows: FBGEMM's CPU kernel cannot hold an empty table")
+        if group.state_dtype is not None:
+            return KernelChoice(False, reason=f"state_dtype={group.state_dtype}: FBGEMM keeps low-precision "
+                                "state on CUDA only (optimizer_state_dtypes); the fallback keeps it exactly")
+        if dtype != torch.float32 and not fused_rows.applies(choice.fbgemm_kwargs["optimizer"], device_type, dtype):
+            return KernelChoice(False, reason=f"{DTYPE_NAMES.get(dtype, dtype)} weights: {_NOT_FUSED_LOW_PRECISION}; "
+                                              "the fallback rounds once")
+        if cross_shard:  # FBGEMM would step each shard on its own statistics
+            return KernelChoice(False, reason=f"{sharding_type}: FBGEMM would keep a statistic per shard, where "
+                                              "the whole table has one; the fallback carries it across shards")
+        return choice
 
     def kernel_for(self, planned: str) -> str | None:
         return planned if planned in self.plan_kernels else self.compute_kernel

@@ -45,8 +45,6 @@ class FrozenTable(TableKernel):
     sharded_state = False
     # Looked up only: rows read in float32 (sharders.pooling), never written.
     precisions = frozenset({torch.float32, torch.float16, torch.bfloat16})
-    # First: it wraps a data-parallel lookup again without its frozen weights; the others hook the new one.
-    install_order = -1
 
     def batch_key(self) -> Hashable:
         return (self.kind,)

@@ -1,9 +1,8 @@
 """Table kernels: one protocol, one class per kind.
 
 Every table of a sharded module runs in one kind of kernel. A kind is one class;
-the decision table (:data:`sharders.optimizer_table.KINDS`, a plain dict: each
-kind's class and when it runs a table) picks it, and from then on the class owns
-the table:
+the registry (:mod:`sharders.kinds`: each kind's class, when it runs a table,
+and its install order) picks it, and from then on the class owns the table:
 
 | kind | class (module) | update | semantics |
 | --- | --- | --- | --- |
@@ -17,17 +16,16 @@ the table:
 | ``REPLICATED`` | ``ReplicatedTable`` (:mod:`sharders.replicated`) | torch.optim, averaged in the round | dense |
 
 A kind's class answers every question the rest of the package asks of a table
-(:class:`TableKernel`): its name, semantics, family and install order (class
-attributes), which TorchRec compute kernel it asks the plan for, which tables
-may share that kernel, how it takes the kernel over, its state layout and size
+(:class:`TableKernel`): its name, semantics and family (class attributes), which
+TorchRec compute kernel it asks the plan for, which tables may share that kernel, how it takes the kernel over, its state layout and size
 in bytes per shard, the state it holds, its placeholder rule (through its
 shards' state objects, :class:`ShardState`), its ``describe()`` row, and its
 check of settings changed at run time. ``describe``, ``live_settings``,
 ``table_state`` and the sharder iterate over table kernels; none branches on a
 kind.
 
-A new kind is one class in its own module and one line of the decision table
-(``tests/_recording_kind.py`` is one).
+A new kind is one class in its own module and one registry line, in a sharder's
+``kinds=`` (``tests/_recording_kind.py`` and ``tests/_row_kind.py`` are two).
 """
 
 from __future__ import annotations
@@ -47,9 +45,10 @@ from overlap_optim.spec import AnnotationGroup
 
 __all__ = [
     "KernelKind", "KernelChoice", "TableDecision", "ShardState", "LocalShard", "TableKernel", "BuildContext",
-    "UserTable", "kernel_class", "ROW_SPLITTING", "COLUMN_SPLITTING", "split_axis", "LAYOUTS",
+    "UserTable", "DTYPE_NAMES", "ROW_SPLITTING", "COLUMN_SPLITTING", "split_axis", "LAYOUTS",
 ]
 
+DTYPE_NAMES = {torch.float32: "FP32", torch.float16: "FP16", torch.bfloat16: "BF16"}  # TorchRec's names of the table dtypes
 ROW_SPLITTING = ("row_wise", "table_row_wise")
 COLUMN_SPLITTING = ("column_wise", "table_column_wise")
 
@@ -69,9 +68,8 @@ def split_axis(sharding_type: str) -> int:
     return 0 if sharding_type in ROW_SPLITTING else 1
 
 
-class KernelKind(enum.Enum):
-    """The names of the built-in kinds (:attr:`TableKernel.kind`); a new kind may name itself with
-    a string."""
+class KernelKind(enum.StrEnum):
+    """The names of the built-in kinds (:attr:`TableKernel.kind`): strings, as an added kind's name is."""
 
     USER = "user"
     FROZEN = "frozen"
@@ -108,7 +106,7 @@ class TableDecision:
     shape: tuple[int, int]  # the whole table's (rows, dim)
     group: AnnotationGroup | None  # None: no annotation (USER) or frozen (FROZEN)
     choice: KernelChoice
-    kind: KernelKind | str  # the name of its kind's class (:attr:`TableKernel.kind`)
+    kind: Any  # its line of the registry (sharders.kinds.Kind): the class that runs it, and its name
     device_type: str = "cpu"
     clip: GradientClipping | None = None  # the gradient clipping set the table is in
     dtype: torch.dtype = torch.float32  # what its weights are stored in (its config's data_type)
@@ -163,38 +161,19 @@ class BuildContext:
         return getattr(self.sharded, self.tables_attr)[table]
 
 
-def kernel_class(kind: KernelKind | str) -> type[TableKernel]:
-    """The class named ``kind`` (its :attr:`~TableKernel.kind`). The decision table imports every
-    class it can pick (:data:`sharders.optimizer_table.KINDS`), so each kind a decision names has
-    its class here; nothing registers on import."""
-    named = {}
-    stack = [TableKernel]
-    while stack:
-        cls = stack.pop()
-        stack.extend(cls.__subclasses__())
-        if "kind" in cls.__dict__:
-            named.setdefault(cls.kind, []).append(cls)
-    if kind not in named:
-        raise KeyError(f"no table kernel class is named {kind}; named: {sorted(str(k) for k in named)}")
-    if len(named[kind]) > 1:
-        raise TypeError(f"several table kernel classes are named {kind}: {named[kind]}")
-    return named[kind][0]
-
-
 class TableKernel:
     """One table of a sharded module and the kind of kernel that runs it (on every rank).
 
     ``shards`` are this rank's shards of the table (none where another rank holds it).
     A kind's class sets :attr:`kind`, :attr:`semantics` and :attr:`family`, and overrides what
-    differs; the decision table (:data:`sharders.optimizer_table.KINDS`) picks it.
+    differs; the registry (:mod:`sharders.kinds`) picks it.
     """
 
-    kind: ClassVar[KernelKind | str]  # its name, unique among the kinds
+    kind: ClassVar[str]  # its name, unique among the kinds (a KernelKind for the built-in ones)
     # "lazy": only the rows a batch touched change; "dense": every row steps (a zero gradient where
     # untouched); "user": not ours to step; "frozen": never stepped.
     semantics: ClassVar[str]
     family: ClassVar[str]  # the family of kernel that runs it, for people: fused, fallback, user, frozen...
-    install_order: ClassVar[int] = 0  # :meth:`install` runs by this order, lowest first (ties: first table's)
     compute_kernel: ClassVar[str | None] = "dense"  # asked of the plan; None: the plan's own (data parallel)
     sharded_state: ClassVar[bool] = True  # its state is a sharded table's (sharders.table_state); else none, or on its weight
     # The compute-kernel names a plan may give it ("fused" is how TorchRec's planner names every
@@ -259,7 +238,8 @@ class TableKernel:
     @classmethod
     def install(cls, tables: list[TableKernel], context: BuildContext) -> None:
         """Once per kind, on every rank, after every kernel is adopted: ``tables`` are all the
-        module's tables of this kind, held here or not. Kinds install by :attr:`install_order`."""
+        module's tables of this kind, held here or not. Kinds install by their registry line's
+        ``install_order`` (:mod:`sharders.kinds`)."""
 
     # -- state --
 

@@ -37,8 +37,6 @@ from overlap_optim.accumulation import module_accumulating
 from overlap_optim.keyed import refuse_compiling_pipeline
 from overlap_optim.record import group_of
 from sharders import _private
-from sharders.fallback import FallbackTable
-from sharders.fbgemm import FusedTable
 from sharders.kernels import ROW_SPLITTING, TableKernel
 
 __all__ = ["install_settings_check"]
@@ -180,7 +178,7 @@ def _check_variable_batch(kernels: list[TableKernel], accumulating: bool, proces
     for kernel in kernels:
         by_type.setdefault(kernel.decision.sharding_type, []).append(kernel)
     for sharding_type, same in by_type.items():  # the same on every rank: every table's kind is known
-        mixed = any(isinstance(k, FallbackTable) for k in same) and any(isinstance(k, FusedTable) for k in same)
+        mixed = {"fallback", "fused"} <= {k.family for k in same}
         if several_ranks and mixed:
             for k in same:
                 why[k.table] = why[k.table] or (

@@ -1,21 +1,19 @@
 """The one table that decides: a table's annotation and sharding -> the kind of kernel that runs it.
 
 :func:`decide` reads a table's annotation and its sharding and returns its
-:class:`~sharders.kernels.TableDecision`, whose ``kind`` picks the class that
-runs it (:mod:`sharders.kernels`); :data:`KINDS` is that last step, one line
-per kind, and the one registry of kinds. A table is fused only where FBGEMM computes the same update as
+:class:`~sharders.kernels.TableDecision`, whose ``kind`` is the registry line
+(:mod:`sharders.kinds`) of the class that runs it. A table is fused only where FBGEMM computes the same update as
 ``torch.optim`` on that device type (:func:`choose_kernel`); its kwargs are then
 translated, name by name, and nothing else reaches FBGEMM. Everything else runs
 in the fallback kernel, which applies the real ``torch.optim`` step. A reader
 who wants to know "why did table t3 not fuse?" finds the answer in FBGEMM's
 rules (:data:`sharders.fbgemm.RULES`, with FBGEMM's other names), or in
-:func:`decide` below, where the user, the plan or clipping kept a table out of them.
+:func:`decide` below, where the user, the plan or clipping kept a table out of them, or in
+:meth:`sharders.fbgemm.FusedTable.keeps`, where FBGEMM would not be exact on that table.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,55 +23,16 @@ from overlap_optim.clipping import GradientClipping, clipping_of
 from overlap_optim.record import contract_of, group_of
 from overlap_optim.spec import AnnotationGroup, OptimizerSpec, describe_optimizer, needs_closure
 from overlap_optim.cross_shard import cross_shard_class
-from sharders.cross_shard import CrossShardTable
-from sharders.data_parallel import DataParallelTable
-from sharders.fallback import DenseTable, LazyTable
-from sharders import fused_rows
 from sharders.fbgemm import RULES, FusedTable, choose_kernel
-from sharders.frozen import FrozenTable
-from sharders.replicated import ReplicatedTable
-from sharders.kernels import COLUMN_SPLITTING, ROW_SPLITTING, KernelChoice, TableDecision, TableKernel, UserTable
+from sharders.kernels import COLUMN_SPLITTING, DTYPE_NAMES, ROW_SPLITTING, KernelChoice, TableDecision
+from sharders.kinds import KINDS, Kind, TableFacts, kind_of
 
 __all__ = [
-    "KernelChoice", "choose_kernel", "TableFacts", "KINDS", "kind_of", "decide", "annotation_of", "RULES",
+    "KernelChoice", "choose_kernel", "decide", "annotation_of", "RULES",
     "DOC_EXAMPLES", "ALL_OPTIMIZERS", "decision_table_markdown", "support_table_markdown", "ROW_SPLITTING", "COLUMN_SPLITTING",
 ]
 
 SHARDING_TYPES = ("data_parallel", "table_wise", *COLUMN_SPLITTING, *ROW_SPLITTING)
-
-
-@dataclasses.dataclass(frozen=True)
-class TableFacts:
-    """What the decision table's last column reads of a table."""
-
-    table: str
-    sharding_type: str
-    spec: OptimizerSpec | None  # its optimizer; None: no annotation, or frozen
-    choice: KernelChoice
-    frozen: bool = False  # requires_grad=False when sharded
-    cross_shard: bool = False  # split along an axis its optimizer is not separable by; it has a cross-shard form
-    dense_requested: bool = False  # named in dense_tables
-    dtype: torch.dtype = torch.float32  # what its weights are stored in
-
-
-# The decision table's last column, and the one registry of table kinds: each kind's class, and when
-# it runs a table; the first whose test holds does. A new kind is its class and one line here.
-KINDS: dict[type[TableKernel], Callable[[TableFacts], bool]] = {
-    FrozenTable: lambda t: t.frozen,  # requires_grad=False wins over any annotation, as torch.optim never steps it
-    UserTable: lambda t: t.spec is None,
-    # FP16/BF16 on data_parallel: DDP would reduce and step the gradient in the stored dtype
-    ReplicatedTable: lambda t: t.sharding_type == "data_parallel" and t.dtype != torch.float32,
-    DataParallelTable: lambda t: t.sharding_type == "data_parallel",
-    FusedTable: lambda t: t.choice.fused,
-    CrossShardTable: lambda t: t.cross_shard,
-    DenseTable: lambda t: t.dense_requested or not t.spec.row_separable,
-    LazyTable: lambda t: True,
-}
-
-
-def kind_of(facts: TableFacts) -> type[TableKernel]:
-    """The class of the kind of kernel that runs a table: the first of :data:`KINDS` whose test holds."""
-    return next(cls for cls, runs in KINDS.items() if runs(facts))
 
 
 def decide(
@@ -91,6 +50,7 @@ def decide(
     shard_sizes: list[list[int]] = (),
     variable_batch: bool = False,
     dtype: torch.dtype | None = None,
+    kinds: tuple[Kind, ...] = KINDS,
 ) -> TableDecision:
     """Where ``table`` runs, from its (unsharded) ``weight``'s annotation and its sharding.
 
@@ -106,6 +66,7 @@ def decide(
             backward is held) runs in the fallback, which can.
         dtype: the dtype the table is stored in, its config's ``data_type`` (TorchRec's unsharded
             module holds a BF16 table in FP16); None: the weight's.
+        kinds: the registry's lines, a sharder's added ones first (:func:`sharders.kinds.check_kinds`).
 
     Raises:
         ValueError: the table is split along an axis its optimizer is not separable by and
@@ -126,53 +87,30 @@ def decide(
         _check_unannotated_clip(table, clip)
     else:
         choice = _choice(table, group, compute_kernel, device_type, pinned, dense, clip, variable_batch)
-        if choice.fused and device_type == "cpu" and any(0 in size for size in shard_sizes):
-            choice = KernelChoice(False, reason="a shard with no rows: FBGEMM's CPU kernel cannot hold an empty table")
-        if choice.fused and group.state_dtype is not None:
-            choice = KernelChoice(False, reason=f"state_dtype={group.state_dtype}: FBGEMM keeps low-precision "
-                                  "state on CUDA only (optimizer_state_dtypes); the fallback keeps it exactly")
-        if choice.fused and not _fuses_exactly(choice, device_type, dtype):
-            choice = KernelChoice(False, reason=f"{_DTYPE_NAMES.get(dtype, dtype)} weights: "
-                                  f"{_NOT_FUSED_LOW_PRECISION}; the fallback rounds once")
         cross_shard = _check_separable(table, group, sharding_type, shard_offsets)
-        if cross_shard and choice.fused:  # FBGEMM would step each shard on its own statistics
-            choice = KernelChoice(False, reason=f"{sharding_type}: FBGEMM would keep a statistic per shard, where "
-                                                "the whole table has one; the fallback carries it across shards")
+        if choice.fused:
+            choice = FusedTable.keeps(choice, device_type=device_type, sharding_type=sharding_type,
+                                      shard_sizes=shard_sizes, group=group, dtype=dtype, cross_shard=cross_shard)
     facts = TableFacts(table, sharding_type, None if group is None else group.spec, choice, frozen=frozen,
                        cross_shard=cross_shard, dense_requested=table in dense, dtype=dtype)
-    kind = kind_of(facts)
-    if group is not None and group.state_dtype is not None and not kind.low_precision_state:
+    kind = kind_of(facts, kinds)
+    if group is not None and group.state_dtype is not None and not kind.cls.low_precision_state:
         raise NotImplementedError(
             f"table {table!r} is annotated with state_dtype={group.state_dtype} and runs as "
-            f"{kind.kind.value if hasattr(kind.kind, 'value') else kind.kind} ({sharding_type}), which keeps its "
+            f"{kind.name} ({sharding_type}), which keeps its "
             "optimizer state in float32 only; low-precision state runs in the fallback (touched rows, whole "
             "shards, cross-shard tables) and in the DDP hook (data_parallel); annotate the table without state_dtype"
         )
-    if dtype not in kind.precisions:
+    if dtype not in kind.cls.precisions:
         raise NotImplementedError(
-            f"table {table!r} holds its weights in {_DTYPE_NAMES.get(dtype, dtype)} and runs as "
-            f"{kind.kind.value if hasattr(kind.kind, 'value') else kind.kind} ({sharding_type}), which is exact in "
-            f"float32 only: {kind.float32_only}. Low-precision tables run annotated with an in-backward optimizer: "
+            f"table {table!r} holds its weights in {DTYPE_NAMES.get(dtype, dtype)} and runs as "
+            f"{kind.name} ({sharding_type}), which is exact in "
+            f"float32 only: {kind.cls.float32_only}. Low-precision tables run annotated with an in-backward optimizer: "
             "in the fallback (touched rows, whole shards, cross-shard tables) on a model-parallel sharding type, "
             "or on data_parallel (the whole table, its gradient averaged across ranks); or build the table with "
             "data_type=DataType.FP32"
         )
-    return TableDecision(table, sharding_type, shape, group, choice, kind.kind, device_type, clip, dtype)
-
-
-_DTYPE_NAMES = {torch.float32: "FP32", torch.float16: "FP16", torch.bfloat16: "BF16"}
-# Why a low-precision table does not fuse (FBGEMM_NOTES.md, fbgemm-gpu-cpu 1.8.0).
-_NOT_FUSED_LOW_PRECISION = (
-    "FBGEMM's CPU TBE rounds the update to FP16 before adding it (two roundings a step) and has no BF16 kernels; "
-    "an FP16 table fuses only where our compiled backward steps it (CPU, the extension built)"
-)
-
-
-def _fuses_exactly(choice: KernelChoice, device_type: str, dtype: torch.dtype) -> bool:
-    """Whether a table FBGEMM would fuse keeps the reference in its weights' ``dtype``: float32
-    always; FP16 where our compiled backward runs (:func:`sharders.fused_rows.applies`), which
-    steps in float32 and rounds once; otherwise not (FBGEMM rounds an FP16 update twice)."""
-    return dtype == torch.float32 or fused_rows.applies(choice.fbgemm_kwargs["optimizer"], device_type, dtype)
+    return TableDecision(table, sharding_type, shape, group, choice, kind, device_type, clip, dtype)
 
 
 # The compute kernels a plan may name, per device type: "fused" is TorchRec's planner's name for
@@ -192,7 +130,7 @@ def _check_runnable(table: str, dtype: torch.dtype, compute_kernel: str, device_
             f"table {table!r}: the plan gives it compute kernel {compute_kernel!r}, which overlap-optim does not run "
             f"on {device_type}; a plan may give {sorted(runnable)} (\"dense\" pins the table to the fallback)"
         )
-    if dtype not in _DTYPE_NAMES:
+    if dtype not in DTYPE_NAMES:
         raise NotImplementedError(
             f"table {table!r} holds its weights in {dtype}: tables are FP32, FP16 or BF16; build the "
             "table with data_type=DataType.FP32"
@@ -302,7 +240,7 @@ def _support(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], sharding_
             return f"refused: not separable by {what}"
     if sharding_type == "data_parallel":
         return "exact, dense (DDP hook)"
-    kind = kind_of(TableFacts("?", sharding_type, spec, choose_kernel(cls, kwargs, device, settings=spec.defaults)))
+    kind = kind_of(TableFacts("?", sharding_type, spec, choose_kernel(cls, kwargs, device, settings=spec.defaults))).cls
     return f"exact, {kind.semantics} ({kind.family})"
 
 

@@ -56,7 +56,7 @@ from torchrec.distributed.sharding_plan import get_default_sharders
 from overlap_optim.spec import AnnotationGroup
 from sharders import _private
 from sharders.collection import CollectionSharder, row_split_mean, stored_dtype
-from sharders.kernels import TableKernel, kernel_class
+from sharders.kernels import TableKernel
 from sharders.evictions import check_evictable, is_ours, refuse_managed_collision
 from sharders.optimizer_table import decide
 from sharders.storage_reservation import DenseStorageReservation
@@ -181,11 +181,11 @@ class FittingEnumerator(EmbeddingEnumerator):
                 pinned=sharder.named_in("fallback_tables", path, [option.name]),
                 dense=sharder.named_in("dense_tables", path, [option.name]),
                 shard_sizes=[list(s.size) for s in option.shards],
-                variable_batch=sharder.variable_batch, dtype=stored_dtype(configs[option.name]),
+                variable_batch=sharder.variable_batch, dtype=stored_dtype(configs[option.name]), kinds=sharder.kinds,
             )
         except (ValueError, NotImplementedError) as err:
             return str(err)
-        kernel = kernel_class(decision.kind)(decision)
+        kernel = decision.kind.cls(decision)
         kernel.row_split_mean = row_split_mean(configs[option.name], option.sharding_type)
         if sharder.variable_batch and kernel.variable_batch_refusal() is not None:
             return f"variable_batch=True: {kernel.variable_batch_refusal()}"

@@ -58,8 +58,6 @@ class ReplicatedTable(DataParallelTable):
 
     kind = KernelKind.REPLICATED
     family = "fallback"
-    # Before the DDP hook's install (order 0), which hooks the DDP lookup this one wraps again.
-    install_order = -1
     precisions = frozenset({torch.float16, torch.bfloat16})
     low_precision_state = True  # its state kept in state_dtype, read in float32 for each step
 

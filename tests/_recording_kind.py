@@ -1,17 +1,15 @@
 """A table kind that only the tests define: its lookups are recorded, its weights never updated.
 
-It shows what a new kind costs: this module (the class) and one line of the decision table,
-:data:`sharders.optimizer_table.KINDS`. Nothing else in the library names it. The library's
-line would read ``RecordingTable: lambda t: t.table == "recorded",`` in ``KINDS``; a test adds
-it for the length of a case (:func:`recording_decisions`), first, so that it wins.
+It shows what a new kind costs: this module (the class) and one registry line,
+``Kind(RecordingTable, lambda t: t.table == "recorded")`` (:func:`recording_kind`), handed to the
+sharder as ``kinds=[...]``, which tries it before the built-in kinds. Nothing in the library names it.
 
 Also the rank body of ``tests/test_new_kind.py`` (spawned; not collected by pytest).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -24,9 +22,9 @@ import overlap_optim
 import sharders
 from _models import ManyTableModel, covering_batch, loss_of
 from _sharded_parity import local_pieces
-from sharders import optimizer_table
 from sharders.frozen import FrozenRows
 from sharders.kernels import BuildContext, TableKernel
+from sharders.kinds import Kind
 
 
 class RecordingTable(TableKernel):
@@ -63,16 +61,9 @@ class RecordingTable(TableKernel):
         return "recording: looked up and recorded, never updated"
 
 
-@contextlib.contextmanager
-def recording_decisions(table: str = "recorded") -> Iterator[None]:
-    """While inside, the decision table has one line more, first: ``table`` runs as a
-    :class:`RecordingTable`."""
-    original = optimizer_table.KINDS
-    optimizer_table.KINDS = {RecordingTable: lambda t: t.table == table, **original}  # the one line
-    try:
-        yield
-    finally:
-        optimizer_table.KINDS = original
+def recording_kind(table: str = "recorded") -> Kind:
+    """The kind's registry line: ``table`` runs as a :class:`RecordingTable`."""
+    return Kind(RecordingTable, lambda t: t.table == table)
 
 
 NAMES = ["recorded", "trained"]
@@ -82,15 +73,14 @@ def _sharded(world_size: int, sharding_type: str, cls: type, kwargs: dict) -> Di
     """The model with its ``recorded`` table (no annotation) and its ``trained`` one (``cls``), under DMP."""
     model = ManyTableModel(NAMES, seed=0)
     overlap_optim.apply_optimizer_in_backward(cls, model.tables["trained"].parameters(), kwargs)
-    sharder = sharders.EmbeddingBagCollectionSharder()
+    sharder = sharders.EmbeddingBagCollectionSharder(kinds=[recording_kind()])
     constraints = {n: ParameterConstraints(sharding_types=[sharding_type], min_partition=4) for n in NAMES}
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
         constraints=constraints,
     )
-    with recording_decisions():
-        plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
-        return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
+    return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
 
 
 def recorded_and_unchanged(rank: int, world_size: int, sharding_type: str, steps: int = 3) -> dict:
@@ -113,7 +103,7 @@ def recorded_and_unchanged(rank: int, world_size: int, sharding_type: str, steps
         "sent": torch.cat(sent).tolist(),
         "recorded": torch.cat(recorded).tolist() if recorded else [],
         "moved": moved,
-        "kinds": {n: t.kind if isinstance(t.kind, str) else t.kind.value for n, t in tables.items()},
+        "kinds": {n: str(t.kind) for n, t in tables.items()},
         "grads": [n for n, p in dmp.named_parameters() if "recorded" in n and p.grad is not None],
         "describe": [line for line in sharders.describe(dmp).splitlines() if "recording" in line],
     }

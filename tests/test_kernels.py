@@ -24,7 +24,8 @@ from overlap_optim import apply_optimizer_in_backward
 from overlap_optim.round import EndOfBackwardRound
 from overlap_optim.spec import AnnotationGroup, describe_optimizer
 from sharders.cross_shard import CrossShardTable
-from sharders.kernels import BuildContext, KernelChoice, KernelKind, TableDecision, kernel_class, split_axis
+from sharders.kernels import BuildContext, KernelChoice, KernelKind, TableDecision, TableKernel, split_axis
+from sharders.kinds import KINDS, Kind
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,9 +35,23 @@ CONFINED = ("._lookups", "._optim.", "_model_parallel_name_to_sharded_tensor", "
             "._original_tensor", '"_batch_key"', "_dmp_wrapped_module")
 
 
-def test_every_kernel_kind_has_its_class():
-    for kind in KernelKind:
-        assert kernel_class(kind).kind is kind
+def test_every_kernel_kind_has_one_registry_line_and_its_class_names_it():
+    assert sorted(kind.name for kind in KINDS) == sorted(KernelKind)
+    assert all(kind.cls.kind is KernelKind(kind.name) for kind in KINDS)
+
+
+def test_added_kinds_are_checked_where_they_enter():
+    class Mine(TableKernel):
+        kind = "mine"
+
+    class Clash(TableKernel):
+        kind = "lazy"
+
+    assert sharders.EmbeddingBagCollectionSharder(kinds=[Kind(Mine, bool)]).kinds[0].cls is Mine
+    with pytest.raises(TypeError, match=r"kinds takes sharders\.kinds\.Kind\(cls, runs\) lines .*got <class"):
+        sharders.EmbeddingBagCollectionSharder(kinds=[Mine])
+    with pytest.raises(ValueError, match=r"kinds: Clash is named 'lazy', as LazyTable is"):
+        sharders.EmbeddingBagCollectionSharder(kinds=[Kind(Clash, bool)])
 
 
 def _imports() -> dict[str, set[str]]:
@@ -159,7 +174,8 @@ def test_step_bytes_per_shard_are_the_peak_of_a_cross_shard_step(case):
     dtype = dtype[0] if dtype else torch.float32
     shard = (TABLE[0] // 2, TABLE[1]) if split_axis(sharding_type) == 0 else (TABLE[0], TABLE[1] // 2)
     group = AnnotationGroup(describe_optimizer(cls, kwargs))
-    table = CrossShardTable(TableDecision("t", sharding_type, TABLE, group, KernelChoice(False), KernelKind.CROSS_SHARD))
+    kind = next(k for k in KINDS if k.cls is CrossShardTable)
+    table = CrossShardTable(TableDecision("t", sharding_type, TABLE, group, KernelChoice(False), kind))
     round_ = EndOfBackwardRound(local=True)
     table.join_round(round_)
     context = BuildContext(sharded=None, process_group=None, device_type="cpu", round=round_, tables={"t": table})

@@ -1,8 +1,8 @@
-"""A new table kind is its own module and one line of the decision table (2 ranks, gloo).
+"""A new table kind is its own module and one registry line, in the sharder's ``kinds=`` (2 ranks, gloo).
 
 ``tests/_recording_kind.py`` defines a kind that no library module names: a table whose lookups
-are recorded and whose weights never change. Its one line of ``sharders.optimizer_table.KINDS``
-is added for the case; the model is then sharded under DMP beside a fused SGD table, and trained.
+are recorded and whose weights never change. Its registry line goes to the sharder's ``kinds=``;
+the model is then sharded under DMP beside a fused SGD table, and trained.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def test_a_new_kind_records_every_lookup_and_never_updates(ranks, case):
 
 
 def test_no_library_module_names_the_new_kind():
-    """The kind needs nothing of the library but the decision table's one line (added by the test)."""
+    """The kind needs nothing of the library but its registry line (handed to the sharder by the test)."""
     for package in ("sharders", "overlap_optim"):
         for path in sorted((ROOT / package).glob("*.py")):
             names = {n.id for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Name)}

@@ -345,15 +345,16 @@ def test_a_state_dtype_that_is_not_bf16_or_fp16_is_refused_by_name():
 def test_a_kind_that_keeps_float32_state_only_refuses_state_dtype_by_table():
     """Every built-in kind that steps a table keeps state_dtype; a kind without the flag (a new one,
     here the tests' recording kind) is refused at sharding, naming the table, as docs/refusals.md says."""
-    from _recording_kind import recording_decisions
+    from _recording_kind import recording_kind
     from overlap_optim import apply_optimizer_in_backward
+    from sharders.kinds import check_kinds
     from sharders.optimizer_table import decide
     from sharders.refusals import refusal
 
     weight = torch.nn.Parameter(torch.zeros(4, 2))
     apply_optimizer_in_backward(torch.optim.Adam, [weight], {"lr": 0.1}, state_dtype=torch.bfloat16)
-    with recording_decisions(), pytest.raises(NotImplementedError, match=r"table 'recorded' .* float32 only") as err:
-        decide("recorded", weight, "table_wise", [[0, 0]], "fused", (4, 2), "cpu", {})
+    with pytest.raises(NotImplementedError, match=r"table 'recorded' .* float32 only") as err:
+        decide("recorded", weight, "table_wise", [[0, 0]], "fused", (4, 2), "cpu", {}, kinds=check_kinds([recording_kind()]))
     assert refusal("low_precision_state").matches(str(err.value)), err.value
 
 
