@@ -12,7 +12,9 @@ rates, table i at setting i % S); batch 256 per rank, 1-3 ids per bag. Swept ove
   by TorchRec's own planner and sharder.
 
 Per (T, S), on rank 0: the annotation calls on a fresh model (per call), the build (plan + DMP; each
-peer built once at T = 2 first, untimed, so that neither pays a process's first-build costs),
+peer built once at T = 2 first, untimed, so that neither pays a process's first-build costs; then the
+median of 3 builds, the peers in turn, 1 in quick mode; annotation: the median call of each build's,
+then the median of the builds'),
 the step (interleaved), and ``state_dict()`` and ``load_state_dict()`` of each peer's optimizer
 (``get_optimizers(dmp)`` against ``dmp.fused_optimizer``, interleaved). Peak RSS per peer in processes of their own at the
 largest T with S = 32 (quick: in one group). Plotted against T.
@@ -59,18 +61,21 @@ class _Model(nn.Module):
 
 
 def _annotate(model: _Model, peer: str, settings: int) -> float:
-    """Annotate every table, one call per setting; the seconds per call."""
+    """Annotate every table, one call per setting; the median seconds of a call (a garbage collection
+    that lands in one call of stock's 0.1 ms would otherwise be most of the mean)."""
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward as stock_annotate
 
     from overlap_optim import apply_optimizer_in_backward
 
     annotate = stock_annotate if peer == "torchrec" else apply_optimizer_in_backward
     tables = model.ebc.embedding_bags
-    started = time.perf_counter()
+    calls = []
     for s in range(settings):
         weights = [tables[f"t{i}"].weight for i in range(len(model.dims)) if i % settings == s]
+        started = time.perf_counter()
         annotate(torch.optim.Adagrad, weights, {"lr": 0.01 * (1 + s / settings), "eps": 1e-8})
-    return (time.perf_counter() - started) / settings
+        calls.append(time.perf_counter() - started)
+    return sorted(calls)[len(calls) // 2]
 
 
 def _build(peer: str, tables: int, settings: int, world_size: int) -> tuple[dict, nn.Module, torch.optim.Optimizer, float]:
@@ -117,7 +122,15 @@ def _measure(rank: int, world_size: int, tables: int, settings: int, quick: bool
     warnings.filterwarnings("ignore")  # the bare head's warning from get_optimizers; TorchRec's planner notes
     for peer in PEERS:  # untimed: what the first build in a process pays once (imports, TorchRec's caches)
         _build(peer, 2, 1, world_size)
-    built = {peer: _build(peer, tables, settings, world_size) for peer in PEERS}
+    built, timings = {}, {peer: [] for peer in PEERS}
+    for turn in range(1 if quick else 3):  # one build is a few seconds of Python: the median of 3, in turn
+        for peer in PEERS if turn % 2 == 0 else PEERS[::-1]:
+            built.pop(peer, None)  # the previous build of this peer, dropped before the next is timed
+            built[peer] = _build(peer, tables, settings, world_size)
+            timings[peer].append(built[peer][0])
+    for peer in PEERS:
+        for key in built[peer][0]:
+            built[peer][0][key] = sorted(t[key] for t in timings[peer])[len(timings[peer]) // 2]
     batches = _batches(tables, rank)
 
     def stepper(dmp, head):

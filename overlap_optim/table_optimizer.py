@@ -101,6 +101,10 @@ class TableOptimizer:
             self._clear_state()
             self.placeholder_state = False
 
+    def holds_state(self) -> bool:
+        """Some state entry, placeholder or real (plain SGD never holds any)."""
+        return bool(self.state)
+
     def has_real_state(self) -> bool:
         """State that is not an :meth:`init_state` placeholder."""
         return bool(self.state) and not self.placeholder_state

@@ -321,8 +321,11 @@ class FusedShardState:
     def state(self) -> dict[str, Any]:
         return {**self.row_state, **self.table_state}
 
+    def holds_state(self) -> bool:
+        return bool(self._layout)  # EXACT_SGD keeps none
+
     def has_real_state(self) -> bool:
-        return bool(self._layout) and self._kernel.steps > 0  # EXACT_SGD keeps none
+        return bool(self._layout) and self._kernel.steps > 0
 
     def init_state(self) -> None:
         """Nothing to make: FBGEMM's state exists from the start."""

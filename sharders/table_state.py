@@ -291,4 +291,4 @@ def _has_state(piece: LocalShard, real: bool = False) -> bool:
     that keeps none, plain SGD, never does), and with ``real``, not an ``init_state`` placeholder.
     :meth:`ShardedTables.state_dict` saves what the first answer says, ``load_state_dict`` refuses
     to drop what the second says: a table is in both or in neither."""
-    return bool(piece.state.state) and (not real or piece.state.has_real_state())
+    return piece.state.holds_state() and (not real or piece.state.has_real_state())
