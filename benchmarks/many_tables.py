@@ -198,8 +198,9 @@ def ratios_of(by_config: dict, memory: dict, largest: str) -> dict[str, float]:
         if config not in shown:
             continue
         for what, key in (("step", "step_s"), ("build", "build_s"), ("annotate", "annotate_per_call_s")):
-            ratios[f"{config}: {what}, ours / torchrec (target <= {TARGETS[what]})"] = (
-                peers["ours"][key] / peers["torchrec"][key])
+            # the step's target is the T = 256 (and there no worse than at the smallest T, below)
+            target = f" (target <= {TARGETS[what]})" if what != "step" or config.startswith("T=256,") else ""
+            ratios[f"{config}: {what}, ours / torchrec{target}"] = peers["ours"][key] / peers["torchrec"][key]
         ratios[f"{config}: state_dict, ours / torchrec"] = peers["ours"]["state_dict_s"] / peers["torchrec"]["state_dict_s"]
         ratios[f"{config}: state_dict, ours / 50 ms (target <= 1)"] = peers["ours"]["state_dict_s"] / 0.05
         if "load_state_dict_s" in peers["ours"]:  # measured from 2026-11-28 on
@@ -208,6 +209,11 @@ def ratios_of(by_config: dict, memory: dict, largest: str) -> dict[str, float]:
             smallest = by_config[f"T={sizes[0]},S={most}"]["ours"]["load_state_dict_s"] / sizes[0]
             ratios[f"{config}: load_state_dict per table, ours / at T={sizes[0]} (linear: <= 1)"] = (
                 peers["ours"]["load_state_dict_s"] / int(config.split(",")[0][2:]) / smallest)
+    if f"T=256,S={most}" in by_config:
+        def step(config: str) -> float:
+            return by_config[config]["ours"]["step_s"] / by_config[config]["torchrec"]["step_s"]
+        ratios[f"step, ours / torchrec at T=256 over at T={sizes[0]} (S={most}; target <= 1)"] = (
+            step(f"T=256,S={most}") / step(f"T={sizes[0]},S={most}"))
     ratios[f"{largest}: peak RSS, ours / torchrec"] = memory["ours"] / memory["torchrec"]
     return ratios
 

@@ -182,10 +182,11 @@ class CollectionSharder:
         refuse_two_dimensional(env)
         module_fqn = module_fqn if module_fqn is not None else self.handed_path
         refuse_managed_collision_sharding(module, whole, module_fqn or "")
+        decided: dict[tuple[int, int], dict[str, TableKernel]] = {}
         if whole is not None and not any(isinstance(m, ShardedModule) for m in whole.root.modules()):
-            check_model(whole, device.type)  # the first module: every refusal of every module, before any changes
+            decided = check_model(whole, device.type)  # the first module: every refusal of every module, before any changes
         self.check_options(device.type)
-        tables = self._table_kernels(module, params, device.type, module_fqn or "")
+        tables = decided.get((id(self), id(module))) or self._table_kernels(module, params, device.type, module_fqn or "")
         params = {name: _with_kernel(sharding, tables.get(name)) for name, sharding in params.items()}
         with self._translated_annotations(module, tables):
             sharded = super().shard(module, params, env, device, module_fqn)
@@ -292,11 +293,12 @@ def row_split_mean(config: Any, sharding_type: str) -> bool:
     return pooling is not None and pooling.name == "MEAN" and sharding_type in ROW_SPLITTING
 
 
-def check_model(whole: _private.ModelBeingSharded, device_type: str) -> None:
+def check_model(whole: _private.ModelBeingSharded, device_type: str) -> dict[tuple[int, int], dict[str, TableKernel]]:
     """Raise, naming the module and table, for anything our sharders would refuse in any module of
     ``whole`` that is still to be sharded; also for a table option that names no table of the
     model, or a bare table name that several of its collections share. Changes nothing: it runs
-    on every rank before ``DistributedModelParallel`` shards the first module."""
+    on every rank before ``DistributedModelParallel`` shards the first module. Returns the table
+    kernels it decided, by ``(id(sharder), id(module))``: the first module's shard uses its own."""
     carry_over(whole.root)  # the first thing that changes: a plain to_empty dropped the meta annotations
     modules = []
     evictable = []  # managed-collision collections: their inner collection, by our collection sharder
@@ -313,11 +315,13 @@ def check_model(whole: _private.ModelBeingSharded, device_type: str) -> None:
         held = [(path, [c.name for c in sharder.table_configs(module)]) for s, path, module, _ in modules if s is sharder]
         for option in ("fallback_tables", "dense_tables"):
             _check_named(option, getattr(sharder, option), held)
+    decided = {}
     for sharder, path, module, params in modules:
         sharder.check_options(device_type)
-        kernels = sharder._table_kernels(module, params, device_type, path)
+        kernels = decided[(id(sharder), id(module))] = sharder._table_kernels(module, params, device_type, path)
         if path in evictable:
             check_evictable(kernels, path)
+    return decided
 
 
 def _check_meta_dense(whole: _private.ModelBeingSharded, modules: list) -> None:
