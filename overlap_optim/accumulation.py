@@ -27,16 +27,19 @@ window as inside :func:`no_step`, and the one after which it steps closes it, so
 its loop is exact without a ``no_step`` of the user's.
 
 Tables of sharded modules accumulate too, on every kind of kernel (fused, fallback,
-cross-shard, data-parallel, replicated): each keeps its tables' gradients while the
-window is open and steps once on their sum. A batch with a variable batch size per
-feature (VBE) inside the window is refused by table.
+cross-shard, data-parallel, replicated). Whatever holds gradients outside ``.grad`` (a table
+kernel, our DDP hook where DDP reduces inside the window) hands them to the gradient path
+(:func:`overlap_optim.gradient_path.take`), which keeps them on the model's :class:`Window`
+while it is open and hands back their sum to the micro-batch that closes it. A batch with a
+variable batch size per feature (VBE) inside the window is refused by table.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,7 +50,8 @@ from overlap_optim import _private, plans
 from overlap_optim.record import group_of, module_record, module_record_of, record, record_of
 from overlap_optim.round import when_raised
 
-__all__ = ["no_step", "accumulating", "module_accumulating", "Window", "window_of", "StepTracker", "track_steps"]
+__all__ = ["no_step", "accumulating", "module_accumulating", "Window", "window_of", "window_of_params",
+           "window_of_module", "StepTracker", "track_steps"]
 
 
 class Window:
@@ -61,13 +65,18 @@ class Window:
         open: inside ``no_step``.
         pending: micro-batches ran inside ``no_step`` and the window's last has not: their
             gradients are held outside the optimizer state.
+        kept: what the participants that hold gradients outside ``.grad`` kept of them so far,
+            by participant and key; only :func:`overlap_optim.gradient_path.take` writes it.
     """
 
-    __slots__ = ("open", "pending")
+    __slots__ = ("open", "pending", "kept")
 
     def __init__(self) -> None:
         self.open = False
         self.pending = False
+        # what the participants keep while the window is open: participant -> key -> the sum so far
+        # (:func:`overlap_optim.gradient_path.take` keeps it, and hands it back when the window closes)
+        self.kept: dict[Any, dict[Hashable, Any]] = {}
 
 
 def window_of(model: nn.Module) -> Window:
@@ -76,6 +85,22 @@ def window_of(model: nn.Module) -> Window:
     if found.window is None:
         found.window = Window()
     return found.window
+
+
+def window_of_params(*params: torch.Tensor) -> Window | None:
+    """The window of the model of ``params`` (the first that has one; None where ``no_step`` never
+    ran): what a participant that holds parameters' gradients hands to the gradient path."""
+    for param in params:
+        found = record_of(param)
+        if found is not None and found.window is not None:
+            return found.window
+    return None
+
+
+def window_of_module(module: nn.Module) -> Window | None:
+    """The window of the model of sharded ``module`` (None where ``no_step`` never ran on it)."""
+    found = module_record_of(module)
+    return None if found is None else found.window
 
 
 def accumulating(*params: torch.Tensor) -> bool:

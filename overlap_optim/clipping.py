@@ -108,7 +108,7 @@ class GradientClipping:
         if max_norm is not None:  # by value, the round only clips the unannotated members: no slot, no collective
             self.round.register("norm", 1)
         # each held update: its gradients, the update, and what frees them if the step is refused
-        self._held: list[tuple[list[torch.Tensor], Callable[[], None], Callable[[], None] | None]] = []
+        self._waiting: list[tuple[list[torch.Tensor], Callable[[], None], Callable[[], None] | None]] = []
         self.coefficient = torch.ones(())
 
     # -- settings --
@@ -151,7 +151,7 @@ class GradientClipping:
 
     def _start(self) -> None:
         """The round's first arming in a backward: a fresh norm."""
-        self._held = []
+        self._waiting = []
         if self.by_norm:
             self.round.contribute("norm", torch.zeros(1, dtype=torch.float64), self._finish)
         self.round.before(self._gather_unannotated)
@@ -176,7 +176,7 @@ class GradientClipping:
             return
         counted = grads if self._counts_on_this_rank(replicated) else []
         self.round.contribute("norm", self._partial(counted))
-        self._held.append((grads, then, release))
+        self._waiting.append((grads, then, release))
 
     def hold(self, partial: torch.Tensor, then: Callable[[], None], release: Callable[[], None] | None = None) -> None:
         """For a participant that holds no gradient tensor to scale (a fused table, whose
@@ -187,7 +187,7 @@ class GradientClipping:
         step is refused). Clipping by norm only."""
         assert self.by_norm, "hold() serves clipping by norm"
         self.round.contribute("norm", partial.reshape(1).to(torch.float64))
-        self._held.append(([], then, release))
+        self._waiting.append(([], then, release))
 
     def _counts_on_this_rank(self, replicated: bool) -> bool:
         """Whether this rank adds such gradients to the norm: a gradient every rank holds alike
@@ -236,7 +236,7 @@ class GradientClipping:
 
     def _finish(self, reduced: torch.Tensor) -> None:
         """The global norm is known: scale every held gradient, then run each update."""
-        held, self._held = self._held, []
+        held, self._waiting = self._waiting, []
         total = reduced[0] if math.isinf(self.norm_type) else reduced[0] ** (1.0 / self.norm_type)
         total_norm = total.to(torch.float32)
         self.total_norm = total_norm

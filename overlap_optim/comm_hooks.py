@@ -27,15 +27,16 @@ annotated views it holds and to how its gradient splits among them.
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
 import functools
+from typing import Any
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from overlap_optim.clipping import GradientClipping, clipping_of
-from overlap_optim.gradient_path import take
+from overlap_optim.gradient_path import Keep, take
 from overlap_optim.round import EndOfBackwardRound, Phase
-from overlap_optim.accumulation import accumulating
+from overlap_optim.accumulation import window_of_params
 from overlap_optim.update import StepPlan
 
 __all__ = [
@@ -66,7 +67,7 @@ class OptimizerHookState:
     """
 
     __slots__ = ("process_group", "world_size", "targets", "managed", "reduction", "local_sgd", "round",
-                 "pending", "running", "clips", "local_sums", "plans")
+                 "pending", "running", "clips", "plans")
 
     def __init__(
         self,
@@ -87,7 +88,6 @@ class OptimizerHookState:
         self.pending: list[torch.futures.Future] = []  # this backward's stepped buckets
         self.running: Reduction | None = None  # this backward's reduction; None between two
         self.clips = list(clips)
-        self.local_sums: dict[int, torch.Tensor] = {}  # param id -> gradient kept local inside no_step
         self.plans: dict[int, _BucketPlan] = {}  # bucket index -> its targets, gradient views and step plan
 
     def settle(self) -> None:
@@ -117,16 +117,40 @@ Reduction = Callable[[OptimizerHookState, dist.GradBucket], torch.futures.Future
 
 def optimizer_hook(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Reduce the bucket with this backward's reduction, then step the annotated parameters in it
-    (:func:`step_bucket`, by the gradient path). Inside ``no_step`` the window is asked here, before
-    the reduction: a held bucket reduces nothing."""
-    if accumulating(*bucket.parameters()):
-        return _keep_local(state, bucket)
-    if state.local_sums:
-        _add_local_sums(state, bucket)
+    (:func:`step_bucket`, by the gradient path). The bucket's local gradients take the gradient
+    path first: inside ``no_step`` (where DDP reduces anyway) the window keeps them, and nothing is
+    reduced or stepped; the micro-batch that closes it reduces their sum."""
+    started: list[torch.futures.Future[torch.Tensor]] = []
+    params = bucket.parameters()
+    kept = not take(functools.partial(_reduce_and_step, state, bucket, started),
+                    zip(map(id, params), _bucket_views(bucket)), clip=None,
+                    window=window_of_params(*params), keep=_LOCAL_SUMS)
+    if kept:  # DDP's next backward may rebuild its buckets: the window holds the gradients now
+        for param in params:
+            param.grad = None
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+    return started[0]
+
+
+def _reduce_and_step(state: OptimizerHookState, bucket: dist.GradBucket,
+                     started: list[torch.futures.Future[torch.Tensor]], grads: Any) -> None:
+    """The bucket's reduction, then its step; ``grads``: each parameter's local gradient (the
+    window's sum, where a window closes), copied into the bucket where it is not its view."""
+    for view, (_, grad) in zip(_bucket_views(bucket), grads):
+        if grad is not view:
+            view.copy_(grad)
     reduction = state.running or _start_backward(state)
     stepped = reduction(state, bucket).then(lambda _: step_bucket(state, bucket))
     state.pending.append(stepped)
-    return stepped
+    started.append(stepped)
+
+
+# Inside no_step, where DDP reduces anyway (the first backward of a static-graph DDP, whose delayed
+# all-reduce ignores no_sync, or a micro-batch whose forward ran outside the block): each rank's local
+# gradient of each parameter, kept by the window (a copy: the bucket's buffer is DDP's), as under no_sync.
+_LOCAL_SUMS = Keep("ddp_local_gradients", add=lambda kept, new: kept.add_(new), own=lambda grad: grad.detach().clone())
 
 
 def _start_backward(state: OptimizerHookState) -> Reduction:
@@ -140,29 +164,6 @@ def _start_backward(state: OptimizerHookState) -> Reduction:
         clip.arm()
     state.running = local_step_hook if local else state.reduction
     return state.running
-
-
-def _keep_local(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Inside ``no_step``, where DDP reduces anyway: the first backward of a static-graph DDP
-    (its delayed all-reduce ignores ``no_sync``), or a micro-batch whose forward ran outside the
-    block. Nothing is reduced or stepped: each rank sets its local gradients aside (and clears
-    them, since DDP's next backward may rebuild its buckets), and the window's last micro-batch
-    adds them back before its reduction, as under ``no_sync``."""
-    for param, grad in zip(bucket.parameters(), _bucket_views(bucket)):
-        kept = state.local_sums.get(id(param))
-        state.local_sums[id(param)] = grad.detach().clone() if kept is None else kept.add_(grad)
-        param.grad = None
-    future = torch.futures.Future()
-    future.set_result(bucket.buffer())
-    return future
-
-
-def _add_local_sums(state: OptimizerHookState, bucket: dist.GradBucket) -> None:
-    """Add the gradients set aside by :func:`_keep_local` into the bucket, before it is reduced."""
-    for param, grad in zip(bucket.parameters(), _bucket_views(bucket)):
-        kept = state.local_sums.pop(id(param), None)
-        if kept is not None:
-            grad.add_(kept)
 
 
 def _bucket_views(bucket: dist.GradBucket) -> list[torch.Tensor]:
@@ -234,7 +235,7 @@ def step_bucket(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.Ten
     for param, grad in plan.kept:
         _keep_averaged(param, grad)
     for clip, grads, steps in plan.sets:  # every rank holds these averaged gradients alike
-        take(functools.partial(steps.step, grads), grads, clip=clip, replicated=True)
+        take(steps.step, grads, clip=clip, replicated=True)
     return bucket.buffer()
 
 

@@ -37,7 +37,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from overlap_optim import _private
-from overlap_optim.accumulation import accumulating
+from overlap_optim.accumulation import window_of_params
 from overlap_optim.annotation import (
     annotation_of_fsdp_uid, carry_over, reattach_annotations, record_annotations, replace_step_hook,
 )
@@ -137,10 +137,11 @@ class CrossShardStep:
 
     def __call__(self, param: torch.Tensor) -> None:
         grad = param.grad.to_local()
-        take(functools.partial(self._first_half, param, grad), [grad], clip=clipping_of(param),
-             held=accumulating(param), release=releasing_grad(param))
+        take(functools.partial(self._first_half, param), [grad], clip=clipping_of(param),
+             window=window_of_params(param), release=releasing_grad(param))
 
-    def _first_half(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+    def _first_half(self, param: torch.Tensor, grads: list[torch.Tensor]) -> None:
+        (grad,) = grads
         drop_placeholder_state(param)  # an init_state placeholder that nothing was loaded over
         self.shard.step(torch.arange(grad.shape[0], device=grad.device), grad)
         self.round.arm()
@@ -180,7 +181,7 @@ class GroupStep:
     def __call__(self, param: torch.Tensor) -> None:
         clip = clipping_of(param)
         step = functools.partial(self._join if clip is None else _step_alone, param)
-        take(step, [param.grad.to_local()] if clip is not None else (), clip=clip, held=accumulating(param),
+        take(lambda _grads: step(), [param.grad.to_local()], clip=clip, window=window_of_params(param),
              release=releasing_grad(param))
 
     def _join(self, param: torch.Tensor) -> None:

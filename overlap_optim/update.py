@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from overlap_optim import _private
-from overlap_optim.accumulation import accumulating
+from overlap_optim.accumulation import window_of_params
 from overlap_optim.clipping import clipping_of
 from overlap_optim.gradient_path import releasing_grad, take
 from overlap_optim.record import group_of, live_optimizers, record, record_of, set_live_optimizers
@@ -54,7 +54,7 @@ def set_state_maker(param: torch.Tensor, make: Callable[[], None]) -> None:
 def step_when_ready(param: torch.Tensor) -> None:
     """The post-accumulate-grad hook of an annotated parameter outside DDP: its gradient takes
     the gradient path (:func:`~overlap_optim.gradient_path.take`) to :func:`step_param`."""
-    take(functools.partial(step_param, param), [param.grad], clip=clipping_of(param), held=accumulating(param),
+    take(lambda _grads: step_param(param), [param.grad], clip=clipping_of(param), window=window_of_params(param),
          release=releasing_grad(param))
 
 

@@ -18,7 +18,7 @@ gradients are clipped first: by value at once, by norm at the end of backward.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -28,12 +28,12 @@ from torchrec.optim.fused import EmptyFusedOptimizer
 from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from overlap_optim.accumulation import module_accumulating
+from overlap_optim.accumulation import window_of_module
 from overlap_optim.clipping import GradientClipping
-from overlap_optim.gradient_path import take
+from overlap_optim.gradient_path import Keep, take
 from overlap_optim.record import live_optimizers, set_live_optimizers
 from overlap_optim.table_optimizer import (
-    DenseTableOptimizer, RowOptimizer, TableOptimizer, copy_bytes, math_dtype, step_tables, step_touched, sum_rows,
+    DenseTableOptimizer, RowOptimizer, TableOptimizer, copy_bytes, math_dtype, step_touched, sum_rows,
 )
 from sharders import _private
 from sharders.kernels import BuildContext, KernelKind, LocalShard, TableKernel
@@ -169,7 +169,8 @@ class RowUpdates:
         owner: nn.Module | None = None,
     ) -> None:
         self.kernel, self.row_optimizers, self.clipping, self.owner = kernel, row_optimizers, clipping, owner
-        self.window: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # an open no_step window, summed
+        # how the model's window keeps the kernel's gradients: each table's touched rows, summed
+        self.keep = Keep(self, add=_add_rows, own=_summed_rows, tensors=lambda rows: [rows[1]])
         self.layout = _private.dense_kernel_layout(kernel)
         self.pooling_mode = kernel.emb_module.pooling_mode
         # Nothing of the weights is in the graph; the anchor lets backward reach the kernel.
@@ -252,39 +253,26 @@ class RowUpdates:
         batches: list[list[int]] | None = None,
     ) -> None:
         """Sum the gradient of every touched row of every table, then step each table once
-        (after clipping the sums, in a clipping set). Inside ``no_step`` the sums are kept
-        instead, and the window's last micro-batch steps on the sums of all of them: a row is
-        touched if any micro-batch touched it.
+        (after clipping the sums, in a clipping set), by the gradient path: inside ``no_step``
+        the window keeps the sums, and the window's last micro-batch steps on the sums of all of
+        them: a row is touched if any micro-batch touched it.
 
-        Without clipping, tables step as soon as their gradients are read, a few at a time
-        (:data:`STEP_BYTES`), so that one step's temporaries stay the size of a few tables'
-        touched rows, whatever the number of tables in the kernel; a table that steps in one
-        compiled pass (:mod:`overlap_optim.row_pass`) sums its repeated ids as it goes."""
+        With no clipping and no window to close, tables step as soon as their gradients are read,
+        a few at a time (:data:`STEP_BYTES`), so that one step's temporaries stay the size of a
+        few tables' touched rows, whatever the number of tables in the kernel; a table that steps
+        in one compiled pass (:mod:`overlap_optim.row_pass`) sums its repeated ids as it goes."""
         dims = [r.weight.shape[1] for r in self.row_optimizers]
         features = value_grads(
             self.pooling_mode, self.layout.feature_table_map, dims, grad_out, indices, offsets, weights, batches
         )
-        touched = self._row_grads(features, indices, grad_out)
-        held = self.owner is not None and module_accumulating(self.owner)
-        if not held and self.clipping is None:
-            take(functools.partial(self._step_as_read, touched), clip=None)
-            return
-        by_table = {table: sum_rows(ids, grads) for table, ids, grads in touched}
-        sums = [by_table[t] for t in range(len(self.row_optimizers))]
-        updates = [(rows, *pair) for rows, pair in zip(self.row_optimizers, sums)]
         # each shard's rows are its own: no rank holds them alike
-        take(functools.partial(step_tables, updates), [u[2] for u in updates], clip=self.clipping, held=held,
-             keep=functools.partial(self._keep, sums))
-        if not held:
-            self.window = []
+        take(self._step_as_read, self._row_grads(features, indices, grad_out), clip=self.clipping,
+             window=None if self.owner is None else window_of_module(self.owner), keep=self.keep)
 
-    def _keep(self, sums: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.window = [sums]  # the window so far, summed: it holds each touched row once
-
-    def _step_as_read(self, touched: Iterator[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+    def _step_as_read(self, touched: Iterable[tuple[int, tuple[torch.Tensor, torch.Tensor]]]) -> None:
         """Step the tables as their gradients are read, a few at a time."""
         chunk, size = [], 0
-        for table, ids, grads in touched:
+        for table, (ids, grads) in touched:
             chunk.append((self.row_optimizers[table], ids, grads))
             size += grads.numel() * grads.element_size()
             if size >= STEP_BYTES:
@@ -292,21 +280,30 @@ class RowUpdates:
                 chunk, size = [], 0
         if chunk:
             step_touched(chunk)
-        self.window = []
 
     def _row_grads(
         self, features: Iterator[tuple[torch.Tensor, torch.Tensor, int]], indices: torch.Tensor, grad_out: torch.Tensor
-    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        """``(table, row ids, a gradient per id)`` for every table of the kernel, once each, as
-        soon as its last feature is read; ids may repeat. The open window's sums are included."""
+    ) -> Iterator[tuple[int, tuple[torch.Tensor, torch.Tensor]]]:
+        """``(table, (row ids, a gradient per id))`` for every table of the kernel, once each, as
+        soon as its last feature is read; ids may repeat."""
         last = {table: f for f, table in enumerate(self.layout.feature_table_map)}
-        parts = {t: [window[t] for window in self.window] for t in range(len(self.row_optimizers))}
+        parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {t: [] for t in range(len(self.row_optimizers))}
         for f, (ids, grads, table) in enumerate(features):
             parts[table].append((ids, grads))
             if last[table] == f:
-                yield table, *_joined(parts.pop(table), indices, grad_out, self.row_optimizers[table].weight.shape[1])
+                yield table, _joined(parts.pop(table), indices, grad_out, self.row_optimizers[table].weight.shape[1])
         for table in sorted(parts):  # tables no feature of this batch reached (an empty batch)
-            yield table, *_joined(parts.pop(table), indices, grad_out, self.row_optimizers[table].weight.shape[1])
+            yield table, _joined(parts.pop(table), indices, grad_out, self.row_optimizers[table].weight.shape[1])
+
+
+def _summed_rows(rows: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, a gradient per id) as (unique ids, each one's summed gradient)."""
+    return sum_rows(*rows)
+
+
+def _add_rows(kept: tuple[torch.Tensor, torch.Tensor], new: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The window's sums of a table's rows with a micro-batch's (ids may repeat) added."""
+    return sum_rows(torch.cat([kept[0], new[0]]), torch.cat([kept[1], new[1]]))
 
 
 def _joined(

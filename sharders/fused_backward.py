@@ -33,6 +33,7 @@ backward, and are refused with clipping or accumulation, naming the tables.
 from __future__ import annotations
 
 import functools
+import operator
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -41,9 +42,9 @@ import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
 from torch import nn
 
-from overlap_optim.accumulation import module_accumulating
+from overlap_optim.accumulation import module_accumulating, window_of_module
 from overlap_optim.clipping import GradientClipping
-from overlap_optim.gradient_path import take
+from overlap_optim.gradient_path import Keep, take
 from overlap_optim.record import module_record, module_record_of
 from sharders.fused_clipping import row_partial_norm
 from sharders.fused_rows import CompiledBackward
@@ -80,7 +81,9 @@ class HeldBackward:
         assert clip is None or clip.by_norm, "clipping by value runs in the fallback"
         self.emb, self.tables, self.clip, self.owner = emb, tables, clip, owner
         self.on_update, self.compiled = on_update, compiled
-        self.pending: list[tuple[Lookup, torch.Tensor]] = []  # the open window's micro-batches
+        # how the model's window keeps the kernel's gradient: its micro-batches, (lookup, output
+        # gradient, whether the lookup is several micro-batches' concatenation), listed
+        self.keep = Keep(self, add=operator.add)
         self._signature = inspect.signature(emb.forward)
         self._anchor = torch.zeros(0, requires_grad=True)  # makes the output require grad, gets none
         emb.register_forward_hook(self._detach, with_kwargs=True)
@@ -88,7 +91,7 @@ class HeldBackward:
 
     def held_bytes(self) -> int:
         """Bytes the open window holds: each micro-batch's ids, offsets, weights and output gradient."""
-        tensors = [t for (lookup, grad) in self.pending for t in (*lookup, grad) if t is not None]
+        tensors = [t for (lookup, grad, _) in self._kept() for t in (*lookup, grad) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def _detach(self, _emb: nn.Module, args: tuple, kwargs: dict[str, Any], output: torch.Tensor) -> Any:
@@ -96,7 +99,7 @@ class HeldBackward:
             return None
         bound = self._signature.bind(*args, **kwargs).arguments
         if bound.get("batch_size_per_feature_per_rank") is not None:  # VBE: FBGEMM's own backward
-            if self.clip is not None or module_accumulating(self.owner) or self.pending:
+            if self.clip is not None or module_accumulating(self.owner) or self._kept():
                 raise NotImplementedError(
                     f"fused table(s) {self.tables} got a variable batch size per feature (VBE) with gradient "
                     "clipping or inside no_step; pin them to the fallback (fallback_tables=[...])"
@@ -108,41 +111,46 @@ class HeldBackward:
         lookup = (bound["indices"], bound["offsets"], bound.get("per_sample_weights"))
         return _Held.apply(output.detach(), self._anchor, [self, output, lookup])
 
+    def _kept(self) -> list[tuple[Lookup, torch.Tensor, bool]]:
+        """The micro-batches the model's open window keeps for this kernel (none outside one)."""
+        window = window_of_module(self.owner)
+        return [] if window is None else window.kept.get(self, {}).get(0, [])
+
     def backward(self, output: torch.Tensor, lookup: Lookup, grad: torch.Tensor) -> None:
         """From backward, with the lookup's output gradient: by the gradient path
         (:func:`~overlap_optim.gradient_path.take`), update now, hold it for the norm, or keep it
         for the window's last micro-batch."""
-        held = module_accumulating(self.owner)
-        replay = None
-        if self.pending and not held:  # the window's last micro-batch: one lookup over the window
-            window, self.pending = [*self.pending, (lookup, grad)], []
-            lookup, grad = concatenate_lookups(window, len(self.emb.feature_table_map), self.emb.pooling_mode)
-            replay = lookup
+        take(functools.partial(self._step, output), [(0, [(lookup, grad, False)])], clip=self.clip,
+             window=window_of_module(self.owner), keep=self.keep, norm=self._norm if self.clip is not None else None,
+             release=self.compiled.discard if self.compiled is not None else None)
+
+    def _batch(self, grads: list[tuple[int, list[tuple[Lookup, torch.Tensor, bool]]]]) -> tuple[Lookup, torch.Tensor, bool]:
+        """The one lookup to update on: the micro-batch, or one over the window's micro-batches
+        (made once, kept in their place)."""
+        ((_, batches),) = grads
+        if len(batches) > 1:
+            lookups = [(lookup, grad) for lookup, grad, _ in batches]
+            batches[:] = [(*concatenate_lookups(lookups, len(self.emb.feature_table_map), self.emb.pooling_mode), True)]
+        return batches[0]
+
+    def _norm(self, grads: list) -> torch.Tensor:
+        lookup, grad, _ = self._batch(grads)
+        if self.compiled is not None:
+            return self.compiled.partial_norm(lookup, grad, self.clip.norm_type)
+        return row_partial_norm(self.emb, grad, *lookup, self.clip.norm_type)
+
+    def _step(self, output: torch.Tensor, grads: list) -> None:
+        lookup, grad, replay = self._batch(grads)
         if self.compiled is not None:  # our pass: no lookup to replay, the window's ids are its input
-            norm = None if self.clip is None else functools.partial(
-                self.compiled.partial_norm, lookup, grad, self.clip.norm_type)
-            step = functools.partial(self._update_compiled, lookup, grad)
-            release = self.compiled.discard
+            self.compiled.step(lookup, grad, None if self.clip is None else self.clip.coefficient)
         else:
-            norm = None if self.clip is None else functools.partial(
-                row_partial_norm, self.emb, grad, *lookup, self.clip.norm_type)
-            step = functools.partial(self._update, output, replay, grad)
-            release = None  # FBGEMM's backward holds nothing of ours
-        take(step, clip=self.clip, held=held, keep=functools.partial(self.pending.append, (lookup, grad)), norm=norm,
-             release=release)
-
-    def _update_compiled(self, lookup: Lookup, grad: torch.Tensor) -> None:
-        self.compiled.step(lookup, grad, None if self.clip is None else self.clip.coefficient)
-        self.on_update()
-
-    def _update(self, output: torch.Tensor, replay: Lookup | None, grad: torch.Tensor) -> None:
-        if self.clip is not None:
-            grad = grad * self.clip.coefficient.to(grad.device, grad.dtype)
-        if replay is not None:  # a window: one lookup over its micro-batches, at the weights they saw
-            indices, offsets, weights = replay
-            with torch.enable_grad():
-                output = self.emb.forward(indices=indices, offsets=offsets, per_sample_weights=weights)
-        torch.autograd.backward(output, grad)
+            if self.clip is not None:
+                grad = grad * self.clip.coefficient.to(grad.device, grad.dtype)
+            if replay:  # a window: one lookup over its micro-batches, at the weights they saw
+                indices, offsets, weights = lookup
+                with torch.enable_grad():
+                    output = self.emb.forward(indices=indices, offsets=offsets, per_sample_weights=weights)
+            torch.autograd.backward(output, grad)
         self.on_update()
 
 

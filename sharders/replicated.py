@@ -28,16 +28,16 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from overlap_optim.accumulation import module_accumulating
+from overlap_optim.accumulation import window_of_module
 from overlap_optim.clipping import join_clipping
-from overlap_optim.gradient_path import take
+from overlap_optim.gradient_path import Keep, take
 from overlap_optim.round import EndOfBackwardRound, Phase
 from overlap_optim.spec import AnnotationGroup
 from overlap_optim.state_precision import in_float32, stored
@@ -181,27 +181,30 @@ class ReplicatedRows(RowUpdates):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.held: list[torch.Tensor] | None = None  # an open no_step window: each table's gradient so far
+        self.keep = Keep(self, add=lambda kept, new: kept.add_(new))  # each table's whole gradient, summed
 
     @torch.no_grad()
     def update_rows(
         self, grad_out: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
         batches: list[list[int]] | None = None,
     ) -> None:
-        """This rank's float32 gradient of each table, whole (zero where untouched), added to the
-        window's; inside ``no_step`` it is kept, else handed to the round."""
+        """This rank's float32 gradient of each table, whole (zero where untouched), by the
+        gradient path to the round: inside ``no_step`` the window keeps it, and the micro-batch
+        that closes the window hands the round the window's sum."""
         tables = [r.weight for r in self.row_optimizers]
-        grads = self.held or [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in tables]
+        grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in tables]
         features = value_grads(self.pooling_mode, self.layout.feature_table_map, [t.shape[1] for t in tables],
                                grad_out, indices, offsets, weights, batches)
         for ids, rows, table in features:
             grads[table].index_add_(0, ids, rows.to(torch.float32))
-        if self.owner is not None and module_accumulating(self.owner):
-            self.held = grads
-            return
-        self.held = None
+        take(self._contribute, enumerate(grads), clip=None,
+             window=None if self.owner is None else window_of_module(self.owner), keep=self.keep)
+
+    def _contribute(self, grads: Iterable[tuple[int, torch.Tensor]]) -> None:
+        """Hand each table's gradient to the round, which averages it across ranks."""
         self.round.arm()
-        for rows, grad in zip(self.row_optimizers, grads):
+        for table, grad in grads:
+            rows = self.row_optimizers[table]
             self.round.contribute(rows.name, grad, functools.partial(self._averaged, rows))
 
     def _averaged(self, rows: ReplicatedTableOptimizer, summed: torch.Tensor) -> None:
@@ -209,4 +212,4 @@ class ReplicatedRows(RowUpdates):
         once to float32), through the gradient path to the step. Every rank holds it alike."""
         world = dist.get_world_size(self.round.process_group) if dist.is_initialized() else 1
         grad = torch.div(summed.view(rows.weight.shape), world).to(torch.float32)
-        take(functools.partial(rows.step_whole, grad), [grad], clip=self.clipping, replicated=True)
+        take(lambda grads: rows.step_whole(grads[0]), [grad], clip=self.clipping, replicated=True)

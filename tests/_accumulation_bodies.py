@@ -61,12 +61,12 @@ def ddp_windows(rank, world_size, k, clip=False, windows=3, mutate=False, forwar
                       forward_before)
     # a no_step that neither holds DDP back nor the hook's updates
     from overlap_optim import comm_hooks
-    saved = comm_hooks.accumulating, DDP.no_sync
-    comm_hooks.accumulating, DDP.no_sync = (lambda *params: False), (lambda self: contextlib.nullcontext())
+    saved = comm_hooks.window_of_params, DDP.no_sync
+    comm_hooks.window_of_params, DDP.no_sync = (lambda *params: None), (lambda self: contextlib.nullcontext())
     try:
         return _train(ours, reference, ref_opts, k, windows, world_size, rank, None, None)
     finally:
-        comm_hooks.accumulating, DDP.no_sync = saved
+        comm_hooks.window_of_params, DDP.no_sync = saved
 
 
 def _train(ours, reference, ref_opts, k, windows, world_size, rank, clipping, bound, forward_before=False):

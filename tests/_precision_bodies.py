@@ -509,12 +509,12 @@ def clipped_window(rank, world_size, micro=2, steps=3, bound=1.0, mutant=False):
     from sharders import replicated
 
     if mutant:
-        accumulating, replicated.module_accumulating = replicated.module_accumulating, lambda module: False
+        window_of_module, replicated.window_of_module = replicated.window_of_module, lambda module: None
     try:
         return _clipped_window(rank, world_size, micro, steps, bound)
     finally:
         if mutant:
-            replicated.module_accumulating = accumulating
+            replicated.window_of_module = window_of_module
 
 
 def _clipped_window(rank, world_size, micro, steps, bound):

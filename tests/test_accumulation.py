@@ -99,7 +99,7 @@ def test_an_update_inside_no_step_is_caught(monkeypatch):
     """Mutation: the per-parameter hook ignores no_step; the same comparison must fail."""
     from overlap_optim import update
 
-    monkeypatch.setattr(update, "accumulating", lambda *params: False)
+    monkeypatch.setattr(update, "window_of_params", lambda *params: None)
     with pytest.raises(AssertionError):
         test_micro_batches_step_once_on_their_summed_gradient(2)
 
