@@ -14,11 +14,13 @@ from pathlib import Path
 import pytest
 
 from _recording_kind import recorded_and_unchanged, variable_batch_beside_the_fallback
+from _row_kind import clipped_windows_and_a_checkpoint
 from overlap_optim.testing import run_cases, selected_cases
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = {t: partial(recorded_and_unchanged, sharding_type=t) for t in ("table_wise", "row_wise")}
 CASES["vbe"] = variable_batch_beside_the_fallback
+CASES.update({f"row_state_{t}": partial(clipped_windows_and_a_checkpoint, sharding_type=t) for t in ("table_wise", "row_wise")})
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +42,24 @@ def test_a_new_kind_records_every_lookup_and_never_updates(ranks, case):
     assert max(r["moved"].get("trained", 0.0) for r in results) > 1e-3  # the rest of the model trained
 
 
-def test_no_library_module_names_the_new_kind():
-    """The kind needs nothing of the library but its registry line (handed to the sharder by the test)."""
+@pytest.mark.parametrize("case", ["row_state_table_wise", "row_state_row_wise"])
+def test_a_new_kind_with_row_state_is_exact_under_clipping_windows_and_a_checkpoint(ranks, case):
+    """tests/_row_kind.py: its module and its kinds= line alone. Against torch.optim on the global batch
+    after every step (asserted in the rank body); here: the kind ran, its state was saved, both tables moved."""
+    for result in ranks[case]:
+        assert result["kinds"] == {"mine": "kind_with_rows", "fused": "fused"}
+        assert "ebc.embedding_bags.mine.weight" in result["state"], result["state"]
+        assert min(result["moved"].values()) > 1e-3, result["moved"]
+
+
+def test_no_library_module_names_the_new_kinds():
+    """The kinds need nothing of the library but their registry lines (handed to the sharder by the tests)."""
     for package in ("sharders", "overlap_optim"):
         for path in sorted((ROOT / package).glob("*.py")):
-            names = {n.id for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Name)}
-            assert "RecordingTable" not in names, path
+            text = path.read_text()
+            names = {n.id for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Name)}
+            assert not {"RecordingTable", "RowStateTable"} & names, path
+            assert "kind_with_rows" not in text, path
 
 
 @pytest.mark.parametrize("case", ["vbe"])
