@@ -376,7 +376,7 @@ class LoadPlanner(dcp.DefaultLoadPlanner):
     (``flatten_sharded_tensors=False``): torch's default drops those with no piece on this rank, then
     takes their absence for a checkpoint of before torch 2.4 and reads the template in that layout,
     where a scheduler's state is one entry. It also reads an optimizer state dict whose
-    ``param_groups`` were saved as a list (overlap-optim before 2026-11-28).
+    ``param_groups`` were saved as a list, one entry per hyperparameter.
 
     Args:
         cast: cast weights of another dtype instead of refusing them.
@@ -404,7 +404,7 @@ class LoadPlanner(dcp.DefaultLoadPlanner):
 
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False) -> None:
         """torch's, then the refusal: DCP calls it on every rank before it reads anything. An
-        optimizer state dict saved before ``param_groups`` was one entry is read in its own layout."""
+        optimizer state dict whose ``param_groups`` were saved as a list is read in that layout."""
         if metadata is not None:
             _read_param_groups_as_saved(state_dict, set(metadata.state_dict_metadata))
         super().set_up_planner(state_dict, metadata, is_coordinator)
@@ -421,9 +421,10 @@ def _read_param_groups_as_saved(state_dict: dict[str, Any], saved: set[str]) -> 
     checkpoint with the keys ``saved`` holds its ``param_groups``.
 
     Our keyed optimizer's ``param_groups`` is a tuple, one entry for DCP (``"optim.param_groups"``).
-    A checkpoint written before that (by overlap-optim up to 2026-11-27, or by an optimizer whose
-    groups are a list) holds one entry per hyperparameter (``"optim.param_groups.0.lr"``): the
-    template's tuple becomes a list of dicts with those names, which DCP fills.
+    A checkpoint whose ``param_groups`` were saved as a list (by an optimizer whose groups are a
+    list, or by overlap-optim's earlier format) holds one entry per hyperparameter
+    (``"optim.param_groups.0.lr"``): the template's tuple becomes a list of dicts with those names,
+    which DCP fills.
     """
     for key, value in state_dict.items():
         prefix = f"{key}.param_groups"

@@ -69,7 +69,7 @@ def sharded_state_layouts(spec: OptimizerSpec, axis: int, ndim: int = 2) -> dict
     """The state entries of a table split along ``axis`` (0: rows) that are sharded as its weight
     is, ``name -> a layout of LAYOUTS``; the others (scalars, and the factors along the unsplit
     axis, which every shard holds whole) are per-table values. For a vector (``ndim`` 1): the
-    entries shaped as the vector, "element", measured on a stand-in (the optimizer's 1-D state
+    entries shaped as the vector, "element", probed on a stand-in (the optimizer's 1-D state
     need not be its 2-D one: Adafactor's ``variance``)."""
     if ndim == 1:
         shapes = spec.state_shapes((_VECTOR_PROBE,))
@@ -131,8 +131,8 @@ class CrossShardOptimizer(DenseTableOptimizer):
         is held through both halves (:func:`~overlap_optim.table_optimizer.copy_bytes`).
 
         Buffers the size of the batch (the touched rows' gradients and what is made from them)
-        are not counted, as the planner counts none for lazy tables. Measured against the peak
-        of a step in ``tests/test_kernels.py``.
+        are not counted, as the planner counts none for lazy tables. ``tests/test_kernels.py`` checks
+        it against the peak of a step.
         """
         return cls._math_bytes(geometry, shard_shape, math_dtype(dtype)) + copy_bytes(shard_shape, dtype)
 

@@ -11,10 +11,10 @@ the same in one pass: each touched row is read once, its gradients summed, stepp
 Which path a table takes is a function of its settings only, the same on every rank: the one
 pass for ``torch.optim.Adam`` and ``AdamW`` (``amsgrad``, ``maximize`` and either weight decay
 included) on a float32 CPU table, with float32 step counters (torch's default), when the
-extension is built; today's path otherwise. A group that asks torch for ``foreach``,
+extension is built; the five passes otherwise. A group that asks torch for ``foreach``,
 ``fused``, ``capturable`` or ``differentiable`` keeps torch's own step, as everywhere
 (:func:`overlap_optim.virtual_groups.virtual_key`). Without a C++ compiler at install time the
-extension is absent and every table takes today's path: same results, slower.
+extension is absent and every table takes the five passes: same results, slower.
 
 The state is ``torch.optim``'s, named as it names it; the ``step`` counter advances as its own
 does, and the bias corrections are computed here in Python as it computes them.
@@ -65,7 +65,7 @@ def step_adam(weight: torch.Tensor, rows: dict[str, torch.Tensor], table: dict[s
     with ``amsgrad``), ``table`` the ``step`` counter (made, as torch makes it, if missing),
     ``hypers`` the live param group and ``fixed`` the non-float settings. Returns False, having
     done nothing, when a tensor is not laid out as the kernel needs (a state loaded from
-    elsewhere); the caller then takes today's path."""
+    elsewhere); the caller then takes the five-pass path."""
     names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if fixed.get("amsgrad") else ("exp_avg", "exp_avg_sq")
     tensors = [weight, *(rows[n] for n in names)]
     if not all(t.is_contiguous() and t.dtype == torch.float32 and t.shape == weight.shape for t in tensors):

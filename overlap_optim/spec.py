@@ -15,7 +15,7 @@ small stand-ins (probes), never by a list of known classes. So a third-party
   ``scalar`` per tensor, or another ``tensor`` shape;
 - ``row_separable`` / ``column_separable``: whether stepping a matrix in row
   (column) pieces, each with its own optimizer, gives the whole-matrix result.
-  Measured: three steps on a random matrix, whole and in two pieces;
+  Probed by three steps on a random matrix, whole and in two pieces;
 - ``group_state``: anything ``step()`` writes into its param group
   (pytorch-optimizer's LAMB, LARS and GaLore count steps there). It is kept per
   tensor, in the tensor's state under the same name (:meth:`OptimizerSpec.step`

@@ -60,8 +60,8 @@ def _init(rank: int, world_size: int, port: int, timeout: float) -> dist.TCPStor
 
 def _leave(results: Any, ok: bool) -> None:
     # The result must be on the pipe before anything else can go wrong, and the
-    # teardown of gloo and DDP at interpreter exit has been seen to abort (SIGABRT)
-    # now and then: wait for every rank, then leave without that teardown.
+    # teardown of gloo and DDP at interpreter exit can abort (SIGABRT): wait for
+    # every rank, then leave without that teardown.
     results.close()
     results.join_thread()
     try:
