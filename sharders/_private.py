@@ -119,8 +119,8 @@ def divide_only_row_split_means(sharded: nn.Module) -> None:
 
     Their kernel pools by SUM, and a callback divides the module's output by each bag's length
     afterwards. The divisor is 1 only for the SUM features of row-split tables: every feature of
-    another sharding type is divided too, so a table_wise SUM feature ends up averaged, and a
-    column_wise MEAN feature divided twice (silently wrong output and gradients, measured). Here
+    another sharding type is divided too, so a table_wise SUM feature would end up averaged, and a
+    column_wise MEAN feature divided twice (wrong output and gradients). Here
     every feature that is not a row-split MEAN one gets divisor 1. Private:
     ``ShardedEmbeddingBagCollection._pooling_type_to_rs_features``, read by its
     ``_create_mean_pooling_divisor``.
@@ -135,7 +135,7 @@ def divide_only_row_split_means(sharded: nn.Module) -> None:
         return
     # TorchRec adds 1e-6 to every divisor (against empty bags): a relative error of 1e-6 on every
     # feature of the module, which ill-conditioned updates (Adagrad, LAMB on rows with tiny
-    # gradients) amplify past 1e-5 (measured). Unweighted, the divisor is a whole number of ids
+    # gradients) amplify. Unweighted, the divisor is a whole number of ids
     # (1 where nothing is divided): rounded, it is exact; an empty bag's sum (0) stays 0, as
     # nn.EmbeddingBag's mean of an empty bag. Private: ``input_dist`` sets ``ctx.divisor``, which
     # the module's output callback divides by (every caller, train pipelines included).

@@ -55,14 +55,13 @@ class _ExactEviction:
     """The eviction of TorchRec's sharded managed-collision collection, with each evicted slot's
     optimizer state made a fresh row's (see the module doc); and the row shards its remapping was
     built for, kept: each shard's managed-collision module remaps ids into its own slots, and a
-    checkpoint of other shards, merged by TorchRec, would not remap as it did (measured: 2 ranks
-    resumed on 1, 3.2-4.1 off the reference)."""
+    checkpoint of other shards, merged by TorchRec, would not remap as it did."""
 
     def keep_layout(self) -> None:
         """Remember the output segments of each table's remapping as sharded (copies); and, after every
         load, count iterations again from the loaded count, as a fresh module does (TorchRec's keeps
-        counting from where it was: a state dict loaded back in place, one step later, remapped 0.43
-        off the uninterrupted run)."""
+        counting from where it was, so a state dict loaded back in place would not remap as the
+        uninterrupted run does)."""
         self.layout = {key: value.detach().clone() for key, value in _private.remapping_layouts(self).items()}
         self.register_load_state_dict_post_hook(lambda module, incompatible: _private.reread_remapping_count(module))
 
@@ -113,7 +112,7 @@ class EvictingBagCollection(_ExactEviction, ShardedManagedCollisionEmbeddingBagC
     """TorchRec's sharded managed-collision EBC, with the exact eviction; and its mean-pooling divisor,
     which it makes in its own input dist (not its inner collection's), rounded as our EBC sharder rounds
     it (:func:`sharders._private.divide_only_row_split_means`: TorchRec adds 1e-6 to every bag length,
-    which LAMB amplified to 1.8e-5; make test-matrix, seed 3579). Weighted ones are refused."""
+    which ill-conditioned updates such as LAMB's amplify). Weighted ones are refused."""
 
     def input_dist(self, ctx: Any, features: Any) -> Any:
         out = super().input_dist(ctx, features)
@@ -206,8 +205,7 @@ def refuse_managed_collision(model: nn.Module, sharders_by_type: dict[type, Any]
 def refuse_weighted(module: nn.Module, path: str) -> None:
     """Raise ``NotImplementedError`` naming the managed-collision collection at ``path`` if its
     collection takes per-sample weights: TorchRec's sharded managed-collision collection looks its
-    ids up as if every weight were 1 (measured: 0.03-0.2 off a reference that weighs them; equal to
-    one that does not)."""
+    ids up as if every weight were 1."""
     inner = _private.mc_collection_of(module)
     if getattr(inner, "is_weighted", lambda: False)():
         raise NotImplementedError(

@@ -287,7 +287,7 @@ class _FusedKernel:
     def split_states(self) -> list[list[torch.Tensor]]:
         """FBGEMM's ``split_optimizer_states()``: each table's state, as views of the kernel's buffers.
         Split once for each set of buffers, not once per table (each split views every table of the
-        kernel: asked per table, a state dict was quadratic in the kernel's tables). A load writes the
+        kernel: split per table, a state dict would be quadratic in the kernel's tables). A load writes the
         buffers in place, which the views see; buffers replaced are split again."""
         buffers = tuple((id(t), t.data_ptr()) for t in (getattr(self.emb, n) for n in self._buffer_names))
         if self._split is None or self._split[0] != buffers:

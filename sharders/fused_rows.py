@@ -26,7 +26,7 @@ ids. Between the halves the kernel keeps each touched row's gradient: summed whe
 several ids touched the row, and where one id did, a reference to that id's output
 gradient row and scale (the output gradient is held until the step anyway). Both live
 in buffers each clipped kernel keeps from step to step (as large as its largest step
-needs): made afresh at every step, their pages were faulted in again each time.
+needs): made afresh at every step, their pages would be faulted in again each time.
 
 Which backward a fused kernel runs is a function of its configuration, the same on
 every rank (:func:`applies`): ours where the operators are built and the kernel is

@@ -288,7 +288,7 @@ class TableKernel:
     def variable_batch_refusal(self) -> str | None:
         """Why this table cannot take a VBE batch, or None: its kind's reason, or its pooling's.
         Asked on every rank before the module's first lookup of a VBE batch (and at sharding, declared)."""
-        if self.row_split_mean:  # measured: 5e-3 off, or an IndexError in TorchRec's divisor
+        if self.row_split_mean:  # TorchRec's divisor would be wrong, or raise IndexError
             return ("MEAN pooling on a row-split table: TorchRec's mean divisor for row_wise and table_row_wise "
                     "tables takes no variable batch size per feature")
         return self.why_no_variable_batch()

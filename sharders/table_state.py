@@ -269,8 +269,8 @@ class ShardedTables:
 
 
 class _Scalar(tuple):
-    """A 0-d tensor as (value, dtype, device), to gather: pickling a tensor costs about 150 us, a
-    number nothing (a state dict of hundreds of tables gathers a step count each)."""
+    """A 0-d tensor as (value, dtype, device), to gather: pickling a tensor costs far more than a
+    number (a state dict of hundreds of tables gathers a step count each)."""
 
     @classmethod
     def of(cls, value: Any) -> Any:
