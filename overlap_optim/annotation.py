@@ -168,10 +168,8 @@ def carry_over(module: torch.nn.Module) -> list[str]:
     meta parameter since (``Module.to_empty``) as its predecessor was, from the record
     :mod:`overlap_optim.meta_params` keeps; returns the FQNs re-annotated. Call it before anything
     takes the parameters over (a sharder, a DDP hook, FSDP)."""
-    meta_params.record_present(module)
     done = []
-    for fqn, old, now in list(meta_params.recorded(module)):
-        meta_params.forget(module, fqn)
+    for fqn, old, now in meta_params.replaced(module, forget=True):
         if now is not None:
             done += reattach_annotations(module, {fqn: (old, group_of(old), clipping_of(old))})
     return done
@@ -181,7 +179,7 @@ def refuse_lost_meta_annotations(module: torch.nn.Module, name: Callable[[str], 
     """Raise, naming it, for a parameter of ``module`` that replaced an annotated (or clipped) meta
     parameter and carries neither: where :func:`carry_over` came too late (a DDP that is not
     ours may hold it already)."""
-    for fqn, old, now in meta_params.recorded(module):
+    for fqn, old, now in meta_params.replaced(module, forget=False):
         if now is not None and group_of(now) is None and clipping_of(now) is None:
             group = group_of(old)
             carried = group.spec.name if group else "a gradient clipping set"

@@ -12,14 +12,12 @@ this module is imported, records ``module -> name -> parameter`` for each meta p
 construction and when a parameter is tied into a module later. Annotating costs nothing here.
 
 What the hook did not see (a model built before ``overlap_optim`` was imported, or a parameter
-written into ``_parameters`` directly) is recorded by :func:`record_present`, the walk of a root
-module that each entry point (``carry_over``) runs first; a plain ``to_empty`` between such an
+written into ``_parameters`` directly) is recorded by the walk of the root module that each entry
+point runs (:func:`replaced`, through ``carry_over``); a plain ``to_empty`` between such an
 annotation and the first entry point loses it, as it would without ``overlap_optim``.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -27,7 +25,7 @@ from torch import nn
 from overlap_optim import _private
 from overlap_optim.record import module_record, module_record_of, record_of
 
-__all__ = ["recorded", "record_present", "forget"]
+__all__ = ["replaced"]
 
 
 def _registered(module: nn.Module, name: str, param: torch.Tensor) -> None:
@@ -44,34 +42,28 @@ def _marked(param: torch.Tensor) -> bool:
     return found is not None and (found.group is not None or found.clipping is not None)
 
 
-def record_present(module: nn.Module) -> None:
-    """Record each annotated (or clipped) meta parameter that sits in ``module`` now."""
-    for sub in module.modules():
-        for name, param in _private.module_parameters(sub).items():
-            if param is not None and param.is_meta and _marked(param):
-                module_record(sub).meta_params[name] = param
+def replaced(module: nn.Module, *, forget: bool) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
+    """``(fqn, the meta parameter recorded there, the parameter there now)`` for each annotated (or
+    clipped) record in ``module`` whose parameter was replaced (the one there now may be None, where
+    a sharder took the table); ``forget``: their records are dropped too.
 
-
-def recorded(module: nn.Module) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
-    """``(fqn, the meta parameter recorded there, the parameter there now)`` for each annotated
-    (or clipped) record in ``module`` whose parameter was replaced (the one there now is not that
-    one: it may be None, where a sharder took the table). The record of a replaced meta parameter
-    that carried nothing is dropped on the way."""
+    One walk of ``module``: it first records each annotated (or clipped) meta parameter sitting in
+    it that torch's hook did not see, and drops the record of a replaced one that carried nothing."""
+    out = []
     for path, sub in module.named_modules():
+        params = _private.module_parameters(sub)
         found = module_record_of(sub)
+        for name, param in params.items():  # what torch's registration hook did not see
+            if param is not None and param.is_meta and _marked(param):
+                found = found or module_record(sub)
+                found.meta_params[name] = param
         for name, old in list(found.meta_params.items() if found is not None else ()):
-            now = _private.module_parameters(sub).get(name)
+            now = params.get(name)
             if now is old:
                 continue
-            if _marked(old):
-                yield f"{path}.{name}" if path else name, old, now
-            else:
+            marked = _marked(old)
+            if marked:
+                out.append((f"{path}.{name}" if path else name, old, now))
+            if forget or not marked:
                 del found.meta_params[name]
-
-
-def forget(module: nn.Module, fqn: str) -> None:
-    """Drop the record at ``fqn`` of ``module``."""
-    path, _, name = fqn.rpartition(".")
-    found = module_record_of(module.get_submodule(path))
-    if found is not None:
-        found.meta_params.pop(name, None)
+    return out

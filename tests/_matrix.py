@@ -911,7 +911,7 @@ def _snapshot(model: nn.Module) -> dict[str, Any]:
     from overlap_optim import meta_params
     from overlap_optim.record import group_of
 
-    declared = {fqn: old for fqn, old, now in meta_params.recorded(model) if now is not None}
+    declared = {fqn: old for fqn, old, now in meta_params.replaced(model, forget=False) if now is not None}
     return {n: (p.shape if p.is_meta else p.detach().clone(), group_of(declared.get(n, p)),
                 getattr(declared.get(n, p), "_optimizer_classes", None)) for n, p in model.named_parameters()}
 
