@@ -222,13 +222,14 @@ class CollectionSharder:
         self, module: nn.Module, params: dict[str, ParameterSharding], device_type: str, path: str = ""
     ) -> dict[str, TableKernel]:
         """Each table's decision (:func:`sharders.optimizer_table.decide`), as its kind's kernel object."""
+        configs = self.table_configs(module)
+        pinned = self.named_in("fallback_tables", path, [c.name for c in configs])
+        dense = self.named_in("dense_tables", path, [c.name for c in configs])
+        means = {c.name: row_split_mean(c, params[c.name].sharding_type) for c in configs}
         if _private.model_being_sharded() is None:  # else check_model carried the whole model over
             carry_over(module)
         torch_made: dict[str, AnnotationGroup] = {}
         decisions = {}
-        configs = self.table_configs(module)
-        pinned = self.named_in("fallback_tables", path, [c.name for c in configs])
-        dense = self.named_in("dense_tables", path, [c.name for c in configs])
         for config in configs:
             sharding = params[config.name]
             shards = sharding.sharding_spec.shards if sharding.sharding_spec is not None else []
@@ -251,8 +252,8 @@ class CollectionSharder:
                 "goes to your own optimizer, which decides their semantics"
             )
         kernels = {name: d.kind.cls(d) for name, d in decisions.items()}
-        for config in configs:
-            kernels[config.name].row_split_mean = row_split_mean(config, params[config.name].sharding_type)
+        for name, kernel in kernels.items():
+            kernel.row_split_mean = means[name]
         if self.variable_batch:
             refused = {n: why for n, k in kernels.items() if (why := k.variable_batch_refusal()) is not None}
             if refused:
