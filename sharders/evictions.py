@@ -34,6 +34,7 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 
 from overlap_optim import plans
+from overlap_optim.clipping import clipping_of
 from overlap_optim.record import module_record
 from sharders import _private
 from sharders.kernels import KernelKind, TableKernel
@@ -57,6 +58,14 @@ class _ExactEviction:
     built for, kept: each shard's managed-collision module remaps ids into its own slots, and a
     checkpoint of other shards, merged by TorchRec, would not remap as it did."""
 
+    model_clips: tuple = ()  # the clipping sets of the model it was sharded in (watch_model_clips)
+
+    def watch_model_clips(self, root: nn.Module) -> None:
+        """Check, before every remapping (which evicts, changing weights), the members of each
+        clipping set of the model ``root``: a set refused at the end of backward would otherwise
+        be refused after an eviction changed the model."""
+        self.model_clips = tuple({id(c): c for p in root.parameters() if (c := clipping_of(p)) is not None}.values())
+
     def keep_layout(self) -> None:
         """Remember the output segments of each table's remapping as sharded (copies); and, after every
         load, count iterations again from the loaded count, as a fresh module does (TorchRec's keeps
@@ -74,12 +83,15 @@ class _ExactEviction:
                 self._refuse(key, torch.as_tensor(saved))
 
     def compute(self, ctx: Any, dist_input: Any) -> Any:
-        """TorchRec's (remap, evict, look up), after the checks the lookup would run first (a refusal
-        leaves the remapping and the evicted slots as they were), and after checking that no load
+        """TorchRec's (remap, evict, look up), after the checks the lookup would run first and the
+        model's clipping sets' member checks (a refusal leaves the remapping and the evicted slots as
+        they were), and after checking that no load
         (``dcp.load`` writes buffers in place) replaced the remapping's row shards."""
         before_lookup = plans.plan_of(_private.mc_collection_of(self)).before_lookup
         if before_lookup is not None:
             before_lookup()
+        for clip in self.model_clips:
+            clip.check_members()
         for key, value in _private.remapping_layouts(self).items():
             if not torch.equal(value, self.layout[key]):
                 self._refuse(key, value)
@@ -154,6 +166,8 @@ class EvictingSharder:
             self.collection_sharder.handed_path = None
         sharded.keep_layout()
         whole = _private.model_being_sharded()
+        if whole is not None:
+            sharded.watch_model_clips(whole.root)
         _install_layout_check(sharded, whole.root if whole is not None else None, module_fqn or "")
         return sharded
 

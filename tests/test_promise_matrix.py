@@ -379,6 +379,11 @@ def directory():
 @example(config=Config((T("t0", "ebc", 7, "data_parallel", "sgd", shared=True),
                         T("t0", "ebc_b", 7, "data_parallel", "sgd", mean=True, shared=True),
                         T("t1", "ebc_b", 13, "table_wise", "adam", mean=True)), cover=False, dense_part="user", seed=541))
+# A frozen managed-collision table and an unannotated MLP in a clipping set under plain DDP: refused at the end of
+# backward, after the forward's eviction had re-initialised slots (make test-matrix, seed 6802): the managed-collision
+# collection now checks the model's clipping sets before it remaps.
+@example(config=Config((T("m0", "mc", 4, "row_wise", "frozen"),), cover=False, dense_part="user_ddp",
+                       clip=("norm", "everything"), non_finite=True))
 def test_exact_or_refused(config: Config, directory: str) -> None:
     name = hashlib.sha1(repr(config).encode()).hexdigest()[:10]
     if os.environ.get("MATRIX_LOG"):  # each example as it starts: a run that stalls shows where
