@@ -28,7 +28,7 @@ annotated views it holds and to how its gradient splits among them.
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
 import functools
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -122,8 +122,8 @@ def optimizer_hook(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.
     reduced or stepped; the micro-batch that closes it reduces their sum."""
     started: list[torch.futures.Future[torch.Tensor]] = []
     params = bucket.parameters()
-    kept = not take(functools.partial(_reduce_and_step, state, bucket, started),
-                    zip(map(id, params), _bucket_views(bucket)), clip=None,
+    local = _keyed_views(bucket)  # read only where a window keeps them or hands sums back
+    kept = not take(functools.partial(_reduce_and_step, state, bucket, started, local), local, clip=None,
                     window=window_of_params(*params), keep=_LOCAL_SUMS)
     if kept:  # DDP's next backward may rebuild its buckets: the window holds the gradients now
         for param in params:
@@ -134,13 +134,19 @@ def optimizer_hook(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.
     return started[0]
 
 
+def _keyed_views(bucket: dist.GradBucket) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(id(param), its gradient's view of the bucket)``, made as they are read."""
+    yield from zip(map(id, bucket.parameters()), _bucket_views(bucket))
+
+
 def _reduce_and_step(state: OptimizerHookState, bucket: dist.GradBucket,
-                     started: list[torch.futures.Future[torch.Tensor]], grads: Any) -> None:
-    """The bucket's reduction, then its step; ``grads``: each parameter's local gradient (the
-    window's sum, where a window closes), copied into the bucket where it is not its view."""
-    for view, (_, grad) in zip(_bucket_views(bucket), grads):
-        if grad is not view:
-            view.copy_(grad)
+                     started: list[torch.futures.Future[torch.Tensor]], local: Any, grads: Any) -> None:
+    """The bucket's reduction, then its step; ``grads``: each parameter's local gradient, as the
+    bucket holds it (``local``, unread), or the window's sums where a window closes, copied in."""
+    if grads is not local:
+        for view, (_, grad) in zip(_bucket_views(bucket), grads):
+            if grad is not view:
+                view.copy_(grad)
     reduction = state.running or _start_backward(state)
     stepped = reduction(state, bucket).then(lambda _: step_bucket(state, bucket))
     state.pending.append(stepped)

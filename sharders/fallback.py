@@ -33,7 +33,7 @@ from overlap_optim.clipping import GradientClipping
 from overlap_optim.gradient_path import Keep, take
 from overlap_optim.record import live_optimizers, set_live_optimizers
 from overlap_optim.table_optimizer import (
-    DenseTableOptimizer, RowOptimizer, TableOptimizer, copy_bytes, math_dtype, step_touched, sum_rows,
+    DenseTableOptimizer, RowOptimizer, TableOptimizer, copy_bytes, math_dtype, step_tables, sum_rows,
 )
 from sharders import _private
 from sharders.kernels import BuildContext, KernelKind, LocalShard, TableKernel
@@ -270,16 +270,24 @@ class RowUpdates:
              window=None if self.owner is None else window_of_module(self.owner), keep=self.keep)
 
     def _step_as_read(self, touched: Iterable[tuple[int, tuple[torch.Tensor, torch.Tensor]]]) -> None:
-        """Step the tables as their gradients are read, a few at a time."""
+        """Step the tables as their gradients are read, a few at a time (:data:`STEP_BYTES` of
+        them): one pass, or one multi-tensor update per virtual group of a chunk. Rows the window
+        or clipping summed (:class:`_Summed`) step as they are, in the chunk under way (held
+        already, they count for no chunk); the others are summed first, unless their table steps
+        in one pass, which sums a repeated id's gradients as it goes."""
         chunk, size = [], 0
-        for table, (ids, grads) in touched:
-            chunk.append((self.row_optimizers[table], ids, grads))
-            size += grads.numel() * grads.element_size()
+        for table, rows in touched:
+            optimizer = self.row_optimizers[table]
+            if isinstance(rows, _Summed):  # held already: stepping it sooner frees nothing
+                chunk.append((optimizer, *rows))
+                continue
+            chunk.append((optimizer, *(rows if optimizer.one_pass else sum_rows(*rows))))
+            size += rows[1].numel() * rows[1].element_size()
             if size >= STEP_BYTES:
-                step_touched(chunk)  # one pass, or one multi-tensor update per virtual group of the chunk
+                step_tables(chunk)
                 chunk, size = [], 0
         if chunk:
-            step_touched(chunk)
+            step_tables(chunk)
 
     def _row_grads(
         self, features: Iterator[tuple[torch.Tensor, torch.Tensor, int]], indices: torch.Tensor, grad_out: torch.Tensor
@@ -296,14 +304,18 @@ class RowUpdates:
             yield table, _joined(parts.pop(table), indices, grad_out, self.row_optimizers[table].weight.shape[1])
 
 
-def _summed_rows(rows: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+class _Summed(tuple):
+    """A table's (unique ids, each one's summed gradient)."""
+
+
+def _summed_rows(rows: tuple[torch.Tensor, torch.Tensor]) -> _Summed:
     """(ids, a gradient per id) as (unique ids, each one's summed gradient)."""
-    return sum_rows(*rows)
+    return rows if isinstance(rows, _Summed) else _Summed(sum_rows(*rows))
 
 
-def _add_rows(kept: tuple[torch.Tensor, torch.Tensor], new: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _add_rows(kept: tuple[torch.Tensor, torch.Tensor], new: tuple[torch.Tensor, torch.Tensor]) -> _Summed:
     """The window's sums of a table's rows with a micro-batch's (ids may repeat) added."""
-    return sum_rows(torch.cat([kept[0], new[0]]), torch.cat([kept[1], new[1]]))
+    return _Summed(sum_rows(torch.cat([kept[0], new[0]]), torch.cat([kept[1], new[1]])))
 
 
 def _joined(

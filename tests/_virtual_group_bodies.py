@@ -60,12 +60,12 @@ def fallback_tables(rank, world_size, sharding_type, steps=4, step_bytes=None, o
     """6 Adam tables, 6 lrs and one LambdaLR lambda each, on batches that touch every row (the
     reference is dense torch.optim; the lazy rule is tested in test_lazy_reference.py):
     (how far each reference table moved, this rank's describe() rows, the tables of each
-    ``step_touched`` call, whether they stepped in one compiled pass). ``step_bytes``: the
+    ``step_tables`` call of the fallback kernel, whether they stepped in one compiled pass). ``step_bytes``: the
     kernel's chunk size (``sharders.fallback.STEP_BYTES``); ``one_pass=False``: as where the
     extension was not built (the tables of a chunk then share one multi-tensor update)."""
     import sharders.fallback
 
-    kept, original = sharders.fallback.STEP_BYTES, sharders.fallback.step_touched
+    kept, original = sharders.fallback.STEP_BYTES, sharders.fallback.step_tables
     chunks, passes = [], set()
 
     def recording(updates):
@@ -73,14 +73,14 @@ def fallback_tables(rank, world_size, sharding_type, steps=4, step_bytes=None, o
         passes.update(table.one_pass for table, _, _ in updates)
         return original(updates)
 
-    sharders.fallback.step_touched = recording
+    sharders.fallback.step_tables = recording
     if step_bytes is not None:
         sharders.fallback.STEP_BYTES = step_bytes
     try:
         with contextlib.nullcontext() if one_pass else without_compiled_operators():
             return {**_fallback_tables(rank, world_size, sharding_type, steps), "chunks": chunks, "one_pass": passes}
     finally:
-        sharders.fallback.STEP_BYTES, sharders.fallback.step_touched = kept, original
+        sharders.fallback.STEP_BYTES, sharders.fallback.step_tables = kept, original
 
 
 def _fallback_tables(rank, world_size, sharding_type, steps):
