@@ -149,10 +149,7 @@ class AdafactorVector(CrossShardOptimizer):
         state["variance"] = torch.zeros_like(self.stepped)
 
     def partials(self, ids, grads, state, h):
-        grad = self.whole_gradient(ids, grads)
-        if "variance" not in state:
-            self._fresh_state(state)
-        state["step"] += 1
+        grad = self._counted_gradient(ids, grads, state, "variance")
         weight_sq = torch.linalg.vector_norm(self.stepped, dtype=torch.float64).square()
         if h["weight_decay"] != 0:
             self.stepped.mul_(1 - h["lr"] * h["weight_decay"])

@@ -206,6 +206,15 @@ class CrossShardOptimizer(DenseTableOptimizer):
     def _fresh_state(self, state: dict[str, Any]) -> None:
         raise NotImplementedError
 
+    def _counted_gradient(self, ids: torch.Tensor, grads: torch.Tensor, state: dict[str, Any], fresh: str) -> torch.Tensor:
+        """The shard's whole gradient (:meth:`whole_gradient`), its state made fresh where it has
+        no ``fresh`` entry, and its step counted: how every two-moment form's ``partials`` opens."""
+        grad = self.whole_gradient(ids, grads)
+        if fresh not in state:
+            self._fresh_state(state)
+        state["step"] += 1
+        return grad
+
     def partials(self, ids: torch.Tensor, grads: torch.Tensor, state: dict[str, Any], hypers: dict[str, Any]) -> torch.Tensor:
         """Step the local state on the shard's gradient (``grads`` at the local rows ``ids``,
         unique; zero elsewhere) and return this shard's part of the table's statistics.

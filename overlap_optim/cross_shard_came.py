@@ -64,10 +64,7 @@ class CameTable(CrossShardOptimizer):
         state["RMS"] = self.stepped.new_zeros(())
 
     def partials(self, ids, grads, state, h):
-        grad = self.whole_gradient(ids, grads)
-        if "exp_avg" not in state:
-            self._fresh_state(state)
-        state["step"] += 1
+        grad = self._counted_gradient(ids, grads, state, "exp_avg")
         beta2, (eps1, _) = h["betas"][1], h["eps"]
         square = grad * grad
         sq = square + eps1
@@ -137,10 +134,7 @@ class CameVector(CrossShardOptimizer):
         state["RMS"] = self.stepped.new_zeros(())
 
     def partials(self, ids, grads, state, h):
-        grad = self.whole_gradient(ids, grads)
-        if "exp_avg" not in state:
-            self._fresh_state(state)
-        state["step"] += 1
+        grad = self._counted_gradient(ids, grads, state, "exp_avg")
         beta2 = h["betas"][1]
         state["exp_avg_sq"].mul_(beta2).add_(grad * grad + h["eps"][0], alpha=1.0 - beta2)
         self._grad = state["exp_avg_sq"].rsqrt().mul_(grad)

@@ -49,10 +49,7 @@ class LambTable(CrossShardOptimizer):
         state["step"] = 0
 
     def partials(self, ids, grads, state, h):
-        grad = self.whole_gradient(ids, grads)
-        if "exp_avg" not in state:
-            self._fresh_state(state)
-        state["step"] += 1
+        grad = self._counted_gradient(ids, grads, state, "exp_avg")
         beta1, beta2 = h["betas"]
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1 if h["grad_averaging"] else 1.0)
