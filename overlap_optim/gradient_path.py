@@ -22,7 +22,7 @@ gradient (unscaling for AMP, say) would be added here, once; no participant keep
 accumulator of its own or asks the window anything.
 
 Example:
-    >>> take(functools.partial(step_param, p), [p.grad], clip=clipping_of(p), window=window_of_params(p))
+    >>> take(lambda grads: step_param(p), [p.grad], clip=clipping_of(p), window=window_of_params(p))
 """
 
 from __future__ import annotations
