@@ -15,7 +15,7 @@ parameter only if it is separable along dim 0 (``OptimizerSpec.row_separable``;
 element-wise along a 1-D parameter). Layer-wise optimizers (Adafactor, LAMB,
 LARS, CAME, Muon) are not; on 2-D parameters, and all but Muon on 1-D ones (biases),
 they step across FSDP's shards with the core's cross-shard form
-(:mod:`overlap_optim.cross_shard_base`, :class:`CrossShardStep`): one all-reduce of
+(:mod:`overlap_optim.placements`): one all-reduce of
 whole-tensor statistics per step for all of them (Muon's is the whole matrix: a
 gather). Those on other shapes (Muon on a vector, which torch's Muon refuses as
 well), and optimizers with no cross-shard form, are refused, naming the parameter.
@@ -34,7 +34,6 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor
 
 from overlap_optim import _private
 from overlap_optim.accumulation import window_of_params
@@ -43,14 +42,13 @@ from overlap_optim.annotation import (
 )
 from overlap_optim.clipping import clipping_of
 from overlap_optim.cross_shard import cross_shard_class
-from overlap_optim.cross_shard_base import CrossShardOptimizer, Geometry, sharded_state_layouts
 from overlap_optim.record import group_of, record
 from overlap_optim.gradient_path import releasing_grad, take
+from overlap_optim.placements import CrossShardStep
 from overlap_optim.round import EndOfBackwardRound, Phase
-from overlap_optim.update import drop_placeholder_state, live_optimizer, set_state_maker, step_params
-from overlap_optim.virtual_groups import LocalState
+from overlap_optim.update import step_params
 
-__all__ = ["fully_shard", "refuse_lost_annotations", "GroupStep", "CrossShardStep"]
+__all__ = ["fully_shard", "refuse_lost_annotations", "GroupStep"]
 
 
 def fully_shard(module: nn.Module, *, mesh: Any = None, **kwargs: Any) -> nn.Module:
@@ -108,57 +106,14 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, **kwargs: Any) -> nn.Mod
     return module
 
 
-class CrossShardStep:
-    """The post-accumulate-grad hook of a parameter (a matrix or a vector) whose layer-wise optimizer
-    steps across FSDP's dim-0 shards (:mod:`overlap_optim.cross_shard_base`): right after the
-    reduce-scatter, the first half of the update on this rank's rows (or elements; none, on an
-    empty shard) and its partial sums into the module's round; the round's one all-reduce at the
-    end of backward, then the second half. The state is the parameter's live optimizer's, its
-    row-sharded (element-wise) entries DTensors."""
-
-    def __init__(self, param: DTensor, name: str, round_: EndOfBackwardRound) -> None:
-        group = group_of(param)
-        implementation = cross_shard_class(group.optimizer_class, param.dim())
-        mesh = param.device_mesh
-        rows, local = param.shape[0], param.to_local().detach()  # the shard's own storage
-        chunk = -(-rows // mesh.size())  # FSDP2 shards dim 0 as torch.chunk does
-        offset = min(mesh.get_local_rank() * chunk, rows)
-        assert local.shape[0] == max(0, min(chunk, rows - offset)), (name, local.shape, rows, chunk)
-        geometry = Geometry(tuple(param.shape), (offset,) + (0,) * (param.dim() - 1), 0)
-        round_.register(name, implementation.slot_size(geometry))
-        self.round, self.param = round_, param
-        self.shard: CrossShardOptimizer = implementation(local, group, name, geometry, round_)
-        sharded = set(sharded_state_layouts(group.spec, 0, param.dim()))
-        # The live optimizer's own dict, looked up at each access (a checkpoint load replaces it), under the
-        # tensor the shard steps (the shard itself, or a low-precision shard's float32 copy).
-        self.shard._optimizer.state[self.shard.stepped] = LocalState(
-            lambda: live_optimizer(param).state[param], param, sharded)
-        set_state_maker(param, self.shard._make_placeholder)  # zeros, kept in the group's state_dtype
-
-    def __call__(self, param: torch.Tensor) -> None:
-        grad = param.grad.to_local()
-        take(functools.partial(self._first_half, param), [grad], clip=clipping_of(param),
-             window=window_of_params(param), release=releasing_grad(param))
-
-    def _first_half(self, param: torch.Tensor, grads: list[torch.Tensor]) -> None:
-        (grad,) = grads
-        drop_placeholder_state(param)  # an init_state placeholder that nothing was loaded over
-        self.shard.step(torch.arange(grad.shape[0], device=grad.device), grad)
-        self.round.arm()
-        param.grad = None
-
-
 def _install_cross_shard(module: nn.Module, names: set[str]) -> None:
     """Give each annotated parameter (of ``names``) whose optimizer needs whole-tensor statistics a
-    :class:`CrossShardStep`; all of them share one round: one all-reduce per step."""
-    round_ = None
+    :class:`~overlap_optim.placements.CrossShardStep`; their rounds share one all-reduce per step."""
     for name, param in module.named_parameters():
         group = group_of(param)
         if name not in names or group is None or _elementwise_on_dim0(group.spec, param, False):
             continue
-        if round_ is None:
-            round_ = EndOfBackwardRound(param.device_mesh.get_group())
-        step = CrossShardStep(param, name, round_)
+        step = CrossShardStep(param, name)
         record(param).cross_shard_step = step
         replace_step_hook(param, step)
 
