@@ -15,10 +15,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from overlap_optim import _private, meta_params
+from overlap_optim import _private, meta_params, placements
 from overlap_optim.clipping import GradientClipping, clipping_of, join_clipping, taken_by
-from overlap_optim.record import annotate, contract_of, group_of, record, record_of, set_live_optimizers
+from overlap_optim.record import (
+    annotate, contract_of, group_of, module_record, module_record_of, record, record_of, set_live_optimizers,
+)
 from overlap_optim.spec import AnnotationGroup, OptimizerSpec, describe_optimizer, needs_closure
 from overlap_optim.state_precision import check_state_dtype
 from overlap_optim.update import live_optimizer, step_when_ready
@@ -26,6 +29,7 @@ from overlap_optim.update import live_optimizer, step_when_ready
 __all__ = [
     "apply_optimizer_in_backward", "materialize", "record_annotations", "reattach_annotations", "AnnotationGroup",
     "needs_closure", "annotation_of_fsdp_uid", "replace_step_hook", "carry_over", "refuse_lost_meta_annotations",
+    "refuse_lost_registrations",
 ]
 
 # Constructor arguments that are not settings a user may pass as kwargs.
@@ -102,9 +106,14 @@ def apply_optimizer_in_backward(
     _check_not_taken(params)
     _check_not_annotated(params, optimizer_class, kwargs, replace)
 
+    for i, param in enumerate(params):
+        _refuse_placement(spec, param, f"params[{i}]")
+
     group = AnnotationGroup(spec, state_dtype)
     for param in params:
         _annotate(param, group)
+    for i, param in enumerate(params):
+        _install_placement_step(param, f"params[{i}] {tuple(param.shape)}")
     return group
 
 
@@ -148,19 +157,111 @@ def reattach_annotations(module: torch.nn.Module, recorded: Recorded) -> list[st
             param = module.get_parameter(name)
         except AttributeError:  # the sharder took it (an embedding table)
             continue
-        if param is old or group_of(param) is not None or clipping_of(param) is not None:
-            continue
-        if group is not None:
-            _remove_hooks(old)
-            # Its live optimizer refers back to it: without this, a cycle keeps the replaced
-            # (unsharded, under FSDP2) parameter alive until the next garbage collection.
-            set_live_optimizers(old, [])
-            _annotate(param, group)
-        if clip is not None:
-            clip.leave(old)
-            join_clipping(param, clip)
-        done.append(name)
+        if _carry(old, param, group, clip):
+            done.append(name)
     return done
+
+
+def _carry(old: torch.Tensor, param: torch.Tensor, group: AnnotationGroup | None, clip: GradientClipping | None) -> bool:
+    """Annotate ``param`` with ``group`` and put it in ``clip``'s set in place of ``old``, which
+    leaves both; False, and nothing done, where ``param`` is ``old`` or carries either already."""
+    if param is old or group_of(param) is not None or clipping_of(param) is not None:
+        return False
+    if group is not None:
+        _remove_hooks(old)
+        # Its live optimizer refers back to it: without this, a cycle keeps the replaced
+        # (unsharded, under FSDP2) parameter alive until the next garbage collection.
+        set_live_optimizers(old, [])
+        _annotate(param, group)
+    if clip is not None:
+        clip.leave(old)
+        join_clipping(param, clip)
+    return True
+
+
+def _registered(module: torch.nn.Module, name: str, param: torch.Tensor | None) -> None:
+    """torch's parameter-registration hook: a parameter registered in place of an annotated (or
+    clipped) one of the same shape and dtype (tensor parallelism's ``parallelize_module``, a plain
+    ``setattr``) is annotated and clipped as its predecessor was, and steps where it is placed
+    (:mod:`overlap_optim.placements`).
+
+    Raises:
+        ValueError: the predecessor's optimizer cannot step the new parameter exactly where it is
+            placed; the message names the parameter, before anything is carried.
+    """
+    old = _private.module_parameters(module).get(name)
+    if old is None or old is param:
+        return
+    group, clip = group_of(old), clipping_of(old)
+    if group is None and clip is None:
+        return
+    label = f"{type(module).__name__}.{name}"
+    if param is None or (old.shape, old.dtype) != (param.shape, param.dtype):
+        _lost(module, name, f"{tuple(old.shape)} {old.dtype} ({group.spec.name if group else 'clipped'})")
+        return
+    if group is not None:
+        _refuse_placement(group.spec, param, label)
+    if _carry(old, param, group, clip) and group is not None:
+        _install_placement_step(param, label)
+
+
+_CARRY_HOOK = torch.nn.modules.module.register_module_parameter_registration_hook(_registered)
+
+
+def _lost(module: torch.nn.Module, name: str, what: str) -> None:
+    """``module.name``, annotated as ``what``, was replaced by a parameter of another shape or dtype:
+    refused from the module's next forward (and by ``get_optimizers``) until it is annotated."""
+    found = module_record(module)
+    if not found.lost:
+        module.register_forward_pre_hook(_refuse_lost_registration)
+    found.lost[name] = what
+
+
+def _refuse_lost_registration(module: torch.nn.Module, *args: Any) -> None:
+    refuse_lost_registrations(module)
+
+
+def refuse_lost_registrations(model: torch.nn.Module) -> None:
+    """Raise, naming it, for a parameter of ``model`` registered in place of an annotated one whose
+    annotation it could not take (another shape or dtype), and not annotated since: it would train
+    nothing. A name annotated again, or gone, is forgotten."""
+    for path, sub in model.named_modules():
+        found = module_record_of(sub)
+        if found is None or not found.lost:
+            continue
+        for name, what in list(found.lost.items()):
+            now = _private.module_parameters(sub).get(name)
+            if now is None or group_of(now) is not None or not now.requires_grad:
+                del found.lost[name]
+                continue
+            fqn = f"{path}.{name}" if path else name
+            raise ValueError(
+                f"{fqn!r} was annotated ({what}) and replaced by a parameter of shape {tuple(now.shape)} {now.dtype}, "
+                "which cannot take that annotation: it would train nothing. Annotate the new parameter with "
+                "apply_optimizer_in_backward"
+            )
+
+
+def _refuse_placement(spec: OptimizerSpec, param: torch.Tensor, label: str) -> None:
+    why = placements.refusal(spec, param)
+    if why is not None:
+        raise ValueError(
+            f"{label} (shape {tuple(param.shape)}, placements {tuple(param.placements)}) is annotated with "
+            f"{spec.name}, which cannot step it exactly where it is placed: {why}. Annotate it with an "
+            "element-wise optimizer, or place it Replicate"
+        )
+
+
+def _install_placement_step(param: torch.Tensor, label: str) -> None:
+    """Make ``param`` (annotated) step across its DTensor pieces where its placement splits it along
+    an axis its optimizer is not separable by; its default step steps any other placement."""
+    if not isinstance(param, DTensor) or placements.refusal(group_of(param).spec, param) is not None:
+        return
+    if not placements.needs_cross_shard_step(group_of(param).spec, param):
+        return
+    step = placements.CrossShardStep(param, label)
+    record(param).cross_shard_step = step
+    replace_step_hook(param, step)
 
 
 def carry_over(module: torch.nn.Module) -> list[str]:

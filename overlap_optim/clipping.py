@@ -174,9 +174,14 @@ class GradientClipping:
                 _private.foreach.clamp_max_(grads, value)
             then()
             return
-        counted = grads if self._counts_on_this_rank(replicated) else []
+        pieces, counted = [], []
+        for grad in grads:
+            piece, counts = _piece(grad)
+            pieces.append(piece)
+            if self.local or (counts if piece is not grad else self._counts_on_this_rank(replicated)):
+                counted.append(piece)
         self.round.contribute("norm", self._partial(counted))
-        self._waiting.append((grads, then, release))
+        self._waiting.append((pieces, then, release))
 
     def hold(self, partial: torch.Tensor, then: Callable[[], None], release: Callable[[], None] | None = None) -> None:
         """For a participant that holds no gradient tensor to scale (a fused table, whose
@@ -211,7 +216,7 @@ class GradientClipping:
             return
         for param in self.params:
             unannotated = group_of(param) is None and param.requires_grad
-            if unannotated and id(param) not in self._replicated and not _is_shard(param):
+            if unannotated and id(param) not in self._replicated and not _is_dtensor(param):
                 raise ValueError(
                     f"gradient clipping: a parameter of shape {tuple(param.shape)} with no annotation is in the "
                     "clipping set, and no DDP hook of overlap_optim reduces it, so its gradient may differ per "
@@ -227,8 +232,8 @@ class GradientClipping:
         for param in self.params:
             if param.grad is None or group_of(param) is not None:
                 continue
-            if _is_shard(param.grad):  # FSDP2: this rank's rows of the reduced gradient, its own
-                grads.append(param.grad.to_local())
+            if _is_dtensor(param.grad):  # placed as it says: clip() reads its placements
+                grads.append(param.grad)
                 continue
             (replicated if id(param) in self._replicated else grads).append(param.grad)
         self.clip(grads, _nothing)
@@ -308,11 +313,25 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _is_shard(grad: torch.Tensor) -> bool:
-    """A DTensor gradient sharded across ranks (FSDP2's), whose local part is this rank's own."""
-    from torch.distributed.tensor import DTensor, Shard
+def _piece(grad: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``(this rank's piece of grad, whether this rank adds it to the norm)``: a DTensor's local
+    tensor, added where this rank is the first of every mesh dimension the DTensor is replicated on
+    (each piece of a split gradient once, a replicated one once per group); any other tensor is
+    its own piece (the caller says who adds it)."""
+    from torch.distributed.tensor import DTensor, Replicate
 
-    return isinstance(grad, DTensor) and any(isinstance(p, Shard) for p in grad.placements)
+    if not isinstance(grad, DTensor):
+        return grad, True
+    mesh = grad.device_mesh
+    first = all(mesh.get_local_rank(m) == 0 for m, p in enumerate(grad.placements) if isinstance(p, Replicate))
+    return grad.to_local(), first
+
+
+def _is_dtensor(param: torch.Tensor) -> bool:
+    """A DTensor (FSDP2's, tensor parallelism's): its placements say how each rank holds its gradient."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(param, DTensor)
 
 
 def _world() -> int:

@@ -37,7 +37,7 @@ from overlap_optim.spec import OptimizerSpec
 from overlap_optim.update import drop_placeholder_state, live_optimizer, set_state_maker
 from overlap_optim.virtual_groups import LocalState
 
-__all__ = ["split_of", "exact_on_pieces", "refusal", "CrossShardStep"]
+__all__ = ["split_of", "exact_on_pieces", "needs_cross_shard_step", "refusal", "CrossShardStep"]
 
 
 def split_of(param: DTensor) -> tuple[int, int] | None:
@@ -76,7 +76,7 @@ def refusal(spec: OptimizerSpec, param: torch.Tensor) -> str | None:
             return None  # element-wise: each piece steps alone, however it is placed
         return (f"it is placed as {err}: {spec.name}'s cross-shard form steps a parameter split on one mesh "
                 "dimension (its other dimensions Replicate); 2-D splits are not built yet")
-    if split is None or exact_on_pieces(spec, param.dim(), split[1]):
+    if not needs_cross_shard_step(spec, param):
         return None
     implementation = cross_shard_class(spec.optimizer_class, param.dim())
     if implementation is None:
@@ -84,7 +84,17 @@ def refusal(spec: OptimizerSpec, param: torch.Tensor) -> str | None:
         if not shapes:
             return f"{spec.name} does not step a piece as it steps those elements of the whole, and has no cross-shard form"
         return f"{spec.name} steps across pieces a {' or '.join(shapes)} parameter only"
-    return implementation.unsupported(spec, split[1] if param.dim() == 2 else 0)
+    return None if split is None else implementation.unsupported(spec, split[1] if param.dim() == 2 else 0)
+
+
+def needs_cross_shard_step(spec: OptimizerSpec, param: DTensor) -> bool:
+    """Whether ``param`` steps with :class:`CrossShardStep`: split along a dim its optimizer is not
+    separable by, or whole on every rank (``Replicate``) under an optimizer separable neither by rows
+    nor by columns, whose update DTensor's own operators need not all run (LARS's ``_foreach_copy_``)."""
+    split = split_of(param)
+    if split is None:
+        return not (spec.row_separable or spec.column_separable)
+    return not exact_on_pieces(spec, param.dim(), split[1])
 
 
 class CrossShardStep:
@@ -98,21 +108,25 @@ class CrossShardStep:
 
     def __init__(self, param: DTensor, name: str) -> None:
         group = group_of(param)
-        mesh_dim, dim = split_of(param)
-        axis = dim if param.dim() == 2 else 0
+        split = split_of(param)
+        mesh, local = param.device_mesh, param.to_local().detach()  # the piece's own storage
+        if split is None:  # whole on every rank: the form on one piece, its sums this rank's own
+            geometry = Geometry(tuple(param.shape), (0,) * param.dim(), 0)
+            self.round = EndOfBackwardRound(local=True)
+        else:
+            mesh_dim, dim = split
+            size = param.shape[dim]
+            chunk = -(-size // mesh.size(mesh_dim))  # torch.chunk's split, as Shard places it
+            offset = min(mesh.get_local_rank(mesh_dim) * chunk, size)
+            assert local.shape[dim] == max(0, min(chunk, size - offset)), (name, local.shape, size, chunk)
+            offsets = tuple(offset if d == dim else 0 for d in range(param.dim()))
+            geometry = Geometry(tuple(param.shape), offsets, dim if param.dim() == 2 else 0)
+            self.round = EndOfBackwardRound(mesh.get_group(mesh_dim))
         implementation = cross_shard_class(group.optimizer_class, param.dim())
-        mesh = param.device_mesh
-        size, local = param.shape[dim], param.to_local().detach()  # the piece's own storage
-        chunk = -(-size // mesh.size(mesh_dim))  # torch.chunk's split, as Shard places it
-        offset = min(mesh.get_local_rank(mesh_dim) * chunk, size)
-        assert local.shape[dim] == max(0, min(chunk, size - offset)), (name, local.shape, size, chunk)
-        offsets = tuple(offset if d == dim else 0 for d in range(param.dim()))
-        geometry = Geometry(tuple(param.shape), offsets, axis)
-        self.round = EndOfBackwardRound(mesh.get_group(mesh_dim))
         self.round.register(name, implementation.slot_size(geometry))
         self.param = param
         self.shard: CrossShardOptimizer = implementation(local, group, name, geometry, self.round)
-        sharded = set(sharded_state_layouts(group.spec, axis, param.dim()))
+        sharded = set(sharded_state_layouts(group.spec, geometry.axis, param.dim()))
         # The live optimizer's own dict, looked up at each access (a checkpoint load replaces it), under the
         # tensor the shard steps (the shard itself, or a low-precision shard's float32 copy).
         self.shard._optimizer.state[self.shard.stepped] = LocalState(
@@ -120,12 +134,11 @@ class CrossShardStep:
         set_state_maker(param, self.shard._make_placeholder)  # zeros, kept in the group's state_dtype
 
     def __call__(self, param: torch.Tensor) -> None:
-        grad = param.grad.to_local()
-        take(functools.partial(self._first_half, param), [grad], clip=clipping_of(param),
+        take(functools.partial(self._first_half, param), [param.grad], clip=clipping_of(param),
              window=window_of_params(param), release=releasing_grad(param))
 
     def _first_half(self, param: torch.Tensor, grads: list[torch.Tensor]) -> None:
-        (grad,) = grads
+        grad = grads[0].to_local()
         drop_placeholder_state(param)  # an init_state placeholder that nothing was loaded over
         self.shard.step(torch.arange(grad.shape[0], device=grad.device), grad)
         self.round.arm()

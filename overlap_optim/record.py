@@ -57,6 +57,8 @@ class ModuleRecord:
     step_tracker: Any = None  # accumulation.StepTracker of a model
     warned_bare: list[str] | None = None  # get_optimizers warned once about these unoptimized parameters
     meta_params: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # meta_params' record
+    # name -> the annotation of a parameter that a registration replaced by one it cannot carry to (annotation)
+    lost: dict[str, str] = dataclasses.field(default_factory=dict)
     held_backward: Any = None  # sharders.fused_backward's hold on a fused kernel module
     keyed_optimizers: Any = None  # keyed's optimizers checked before a forward
     window: Any = None  # accumulation.Window: of a model (window_of), or of the model of a sharded module

@@ -191,3 +191,41 @@ def test_a_meta_parameter_tied_into_a_module_after_its_annotation_is_carried_the
     assert sorted(carry_over(model)) == ["a.weight", "b.weight", "c.weight"]
     assert [overlap_optim.record.group_of(model[m].weight).spec.name for m in "abc"] == ["Adam", "Adam", "SGD"]
     assert all(overlap_optim.record.group_of(model[m].bias) is None for m in "abc")
+
+
+def test_a_parameter_registered_in_place_of_an_annotated_one_takes_its_annotation():
+    """``setattr`` (``register_parameter``: what tensor parallelism's ``parallelize_module`` calls)
+    of a parameter of the same shape and dtype: it is annotated and clipped as its predecessor was,
+    steps as torch.optim does, and the predecessor leaves its group."""
+    torch.manual_seed(0)
+    model, reference = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    reference.load_state_dict(model.state_dict())
+    group = overlap_optim.apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 0.1})
+    clip = overlap_optim.apply_gradient_clipping(model.parameters(), max_norm=0.1)
+    old = model.weight
+    model.weight = torch.nn.Parameter(old.detach().clone())
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.1)
+    x = torch.randn(4, 3)
+    model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+    ref_opt.step()
+    assert torch.allclose(model.weight, reference.weight, atol=1e-7) and not torch.equal(model.weight, old)
+    assert clip.total_norm.item() == pytest.approx(norm.item(), rel=1e-6)
+    assert all(p is not old for p in group.param_group["params"]) and len(group.param_group["params"]) == 2
+
+
+def test_a_parameter_registered_in_place_of_an_annotated_one_it_cannot_take_is_refused():
+    """Another shape: the annotation cannot follow, and the model would train nothing there. The
+    next forward and ``get_optimizers`` refuse it by name, until the new parameter is annotated."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    overlap_optim.apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 0.1})
+    model[0].weight = torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"'0.weight' was annotated \(\(2, 3\) torch.float32 \(Adam\)\)"):
+        overlap_optim.get_optimizers(model)
+    with pytest.raises(ValueError, match=r"'weight' was annotated .* it would train nothing"):
+        model(torch.zeros(1, 3))
+    overlap_optim.apply_optimizer_in_backward(torch.optim.SGD, [model[0].weight], {"lr": 0.1})
+    model[0].bias.data = model[0].bias.data.double()
+    model(torch.zeros(1, 3, dtype=torch.float64)).sum().backward()  # annotated again: trains
+    overlap_optim.get_optimizers(model)

@@ -1,0 +1,162 @@
+"""Rank bodies for the tensor-parallel tests (spawned; not collected by pytest).
+
+The model is the issue's: an MLP 6 -> 8 -> 4, ``ColwiseParallel`` on fc1 (its weight ``Shard(0)``, its
+bias ``Shard(0)``), ``RowwiseParallel`` on fc2 (its weight ``Shard(1)``, its bias ``Replicate``), the
+same input on every rank of the TP mesh. The reference is one process of the same optimizer on the
+full weights.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import overlap_optim
+from overlap_optim.record import record_of
+
+PLAN = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def mlp(seed: int = 0) -> MLP:
+    torch.manual_seed(seed)
+    return MLP()
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(700 + step)
+    return torch.randn(6, 6, generator=generator), torch.randn(6, 4, generator=generator)
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    return param.full_tensor() if hasattr(param, "full_tensor") else param
+
+
+def _setting(name: str) -> tuple:
+    from _layerwise_bodies import LAYERWISE
+
+    simple = {"adam": (torch.optim.Adam, {"lr": 0.05}), "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})}
+    return simple[name] if name in simple else LAYERWISE[name]
+
+
+def train(rank, world_size, name, order="after", steps=3, biases=None, max_norm=None):
+    """The weights with optimizer ``name``, the biases with ``biases`` (None: the same), annotated
+    (and, with ``max_norm``, clipped by global norm) ``order`` ("before" or "after")
+    ``parallelize_module``; each step's largest difference from the reference, how far the
+    reference moved its least moved parameter, and with ``max_norm`` each step's norm, ours and
+    ``clip_grad_norm_``'s on the reference."""
+    cls, kwargs = _setting(name)
+    bcls, bkwargs = _setting(biases) if biases else (cls, kwargs)
+    model = mlp()
+    reference = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    clips = []
+
+    def annotate():
+        overlap_optim.apply_optimizer_in_backward(cls, [model.fc1.weight, model.fc2.weight], kwargs)
+        overlap_optim.apply_optimizer_in_backward(bcls, [model.fc1.bias, model.fc2.bias], bkwargs)
+        if max_norm is not None:
+            clips.append(overlap_optim.apply_gradient_clipping(model.parameters(), max_norm=max_norm))
+
+    if order == "before":
+        annotate()
+    parallelize_module(model, mesh, PLAN)
+    if order == "after":
+        annotate()
+    ref_opts = [cls([reference.fc1.weight, reference.fc2.weight], **kwargs),
+                bcls([reference.fc1.bias, reference.fc2.bias], **bkwargs)]
+    start = [p.detach().clone() for p in reference.parameters()]
+    diffs, norms = [], []
+    for step in range(steps):
+        x, y = _batch(step)
+        (model(x) - y).square().mean().backward()
+        (reference(x) - y).square().mean().backward()
+        if max_norm is not None:
+            norms.append((clips[0].total_norm.item(), nn.utils.clip_grad_norm_(reference.parameters(), max_norm).item()))
+        for opt in ref_opts:
+            opt.step()
+            opt.zero_grad()
+        diffs.append(max((_full(p) - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())))
+    moved = min((p.detach() - s).abs().max().item() for p, s in zip(reference.parameters(), start))
+    return {"diffs": diffs, "moved": moved, "norms": norms}
+
+
+def statistics_local(rank, world_size, name="adafactor", steps=3):
+    """The mutation: each rank finishes the cross-shard step on its own piece's sums, never reduced.
+    Returns the differences, which must then be large."""
+    cls, kwargs = _setting(name)
+    model, reference = mlp(), mlp()
+    parallelize_module(model, init_device_mesh("cpu", (world_size,)), PLAN)
+    overlap_optim.apply_optimizer_in_backward(cls, model.parameters(), kwargs)
+    for param in model.parameters():
+        step = record_of(param).cross_shard_step
+        if step is not None:
+            step.round.local = True
+    ref_opt = cls(reference.parameters(), **kwargs)
+    diffs = []
+    for step in range(steps):
+        x, y = _batch(step)
+        (model(x) - y).square().mean().backward()
+        (reference(x) - y).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        diffs.append(max((_full(p) - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())))
+    return {"diffs": diffs}
+
+
+def all_reduces(rank, world_size, name="adafactor", steps=3):
+    """The all-reduces of ``steps`` steps with every parameter of the MLP under ``name``: their
+    sizes, with "step" after each backward."""
+    from _fsdp_bodies import _all_reduces
+
+    cls, kwargs = _setting(name)
+    model = mlp()
+    parallelize_module(model, init_device_mesh("cpu", (world_size,)), PLAN)
+    overlap_optim.apply_optimizer_in_backward(cls, model.parameters(), kwargs)
+    with _all_reduces() as sizes:
+        for step in range(steps):
+            x, y = _batch(step)
+            (model(x) - y).square().mean().backward()
+            sizes.append("step")
+    return {"sizes": sizes}
+
+
+def refused(rank, world_size, order):
+    """GaLore (no cross-shard form) on the split weights, annotated ``order`` ``parallelize_module``:
+    the error, and whether any parameter changed."""
+    from _layerwise_bodies import GALORE_OPTIONS
+    from pytorch_optimizer import GaLore
+
+    model = mlp()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def annotate():
+        overlap_optim.apply_optimizer_in_backward(GaLore, [model.fc1.weight, model.fc2.weight], {"lr": 0.02},
+                                                  group_options=GALORE_OPTIONS)
+
+    try:
+        if order == "before":
+            annotate()
+        parallelize_module(model, mesh, PLAN)
+        if order == "after":
+            annotate()
+    except ValueError as err:
+        error = str(err)
+    else:
+        error = None
+    changed = [n for n, p in model.named_parameters() if not torch.equal(_full(p.detach()), before[n])]
+    return {"error": error, "changed": changed}
