@@ -31,9 +31,11 @@ import functools
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
 
 from overlap_optim import _private
 from overlap_optim.accumulation import window_of_params
@@ -44,7 +46,7 @@ from overlap_optim.clipping import clipping_of
 from overlap_optim.cross_shard import cross_shard_class
 from overlap_optim.record import group_of, record
 from overlap_optim.gradient_path import releasing_grad, take
-from overlap_optim.placements import CrossShardStep
+from overlap_optim.placements import CrossShardStep, needs_cross_shard_step, split_of
 from overlap_optim.round import EndOfBackwardRound, Phase
 from overlap_optim.update import step_params
 
@@ -63,7 +65,8 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, **kwargs: Any) -> nn.Mod
     Args:
         module: the dense part, annotated with
             :func:`~overlap_optim.apply_optimizer_in_backward` (all of it or some).
-        mesh: the 1-D device mesh to shard over (torch's default: every rank).
+        mesh: the device mesh to shard over: 1-D, or 2-D for HSDP (replicate over its first
+            dimension, shard over its second); torch's default: every rank.
         **kwargs: torch's ``fully_shard`` keyword arguments, passed on to each call.
 
     Returns:
@@ -80,16 +83,17 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, **kwargs: Any) -> nn.Mod
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__name__}")
-    if mesh is not None and mesh.ndim != 1:
+    if mesh is not None and mesh.ndim > 2:
         raise ValueError(
-            f"mesh {mesh!r} has {mesh.ndim} dimensions: overlap_optim.fully_shard shards over a 1-D mesh "
-            "(HSDP's replicate x shard meshes are not built yet)"
+            f"mesh {mesh!r} has {mesh.ndim} dimensions: overlap_optim.fully_shard shards over a 1-D mesh, or "
+            "replicates over the first dimension of a 2-D one and shards over the second (HSDP)"
         )
     ignored = set(kwargs.get("ignored_params") or ())
     carry_over(module)
     recorded = {name: entry for name, entry in record_annotations(module).items() if entry[0] not in ignored}
     _check_settings(kwargs, recorded)
-    _check_parameters(recorded, custom_placement=kwargs.get("shard_placement_fn") is not None)
+    shards = (mesh.size(mesh.ndim - 1) if mesh is not None else dist.get_world_size()) if dist.is_initialized() else 1
+    _check_parameters(recorded, custom_placement=kwargs.get("shard_placement_fn") is not None, shards=shards)
     for sub in _owners(module, ignored):
         torch_fully_shard(sub, mesh=mesh, **kwargs)
     torch_fully_shard(module, mesh=mesh, **kwargs)
@@ -111,7 +115,7 @@ def _install_cross_shard(module: nn.Module, names: set[str]) -> None:
     :class:`~overlap_optim.placements.CrossShardStep`; their rounds share one all-reduce per step."""
     for name, param in module.named_parameters():
         group = group_of(param)
-        if name not in names or group is None or _elementwise_on_dim0(group.spec, param, False):
+        if name not in names or group is None or not needs_cross_shard_step(group.spec, param):
             continue
         step = CrossShardStep(param, name)
         record(param).cross_shard_step = step
@@ -215,11 +219,20 @@ def _check_settings(kwargs: dict[str, Any], recorded: dict) -> None:
                 )
 
 
-def _check_parameters(recorded: dict, custom_placement: bool) -> None:
+def _check_parameters(recorded: dict, custom_placement: bool, shards: int) -> None:
     for name, (param, group, clip) in recorded.items():
-        if group is None or _elementwise_on_dim0(group.spec, param, custom_placement):
+        if group is None or (group.spec.row_separable and group.spec.column_separable):
             continue
         spec = group.spec
+        if shards > 1 and isinstance(param, DTensor) and split_of(param) is not None:
+            raise ValueError(
+                f"parameter {name!r} (shape {tuple(param.shape)}) is placed {tuple(param.placements)} already (tensor "
+                f"parallelism), and fully_shard would split it again over {shards} ranks: {spec.name} steps "
+                "across the pieces of a parameter split on one mesh dimension; splits on two are not built yet. "
+                "Annotate it with an element-wise optimizer, or keep it out of fully_shard"
+            )
+        if _elementwise_on_dim0(spec, param, custom_placement):
+            continue
         if cross_shard_class(spec.optimizer_class, param.dim()) is None or custom_placement:
             raise ValueError(
                 f"parameter {name!r} (shape {tuple(param.shape)}) is annotated with {spec.name}, which does not "

@@ -41,15 +41,17 @@ __all__ = ["split_of", "exact_on_pieces", "needs_cross_shard_step", "refusal", "
 
 
 def split_of(param: DTensor) -> tuple[int, int] | None:
-    """``(mesh dim, tensor dim)`` of the one ``Shard`` placement of ``param``; None where every
-    placement is ``Replicate``.
+    """``(mesh dim, tensor dim)`` of the one ``Shard`` placement of ``param`` on a mesh dimension of
+    more than one rank; None where every such placement is ``Replicate``.
 
     Raises:
         NotImplementedError: ``param`` is split on several mesh dimensions, or has a placement
             that is neither ``Shard`` nor ``Replicate``; the message says which.
     """
-    splits = [(m, p.dim) for m, p in enumerate(param.placements) if isinstance(p, Shard) and type(p) is Shard]
-    other = [p for p in param.placements if not (isinstance(p, Replicate) or type(p) is Shard)]
+    mesh = param.device_mesh
+    placed = [(m, p) for m, p in enumerate(param.placements) if mesh.size(m) > 1]  # one rank: whole there
+    splits = [(m, p.dim) for m, p in placed if type(p) is Shard]
+    other = [p for _, p in placed if not (isinstance(p, Replicate) or type(p) is Shard)]
     if other or len(splits) > 1:
         raise NotImplementedError(f"placements {tuple(param.placements)}")
     return splits[0] if splits else None
@@ -57,10 +59,13 @@ def split_of(param: DTensor) -> tuple[int, int] | None:
 
 def exact_on_pieces(spec: OptimizerSpec, ndim: int, dim: int) -> bool:
     """Whether ``spec`` steps each piece of a tensor of ``ndim`` dims split along ``dim`` as it
-    steps those elements of the whole: a matrix by rows (``dim`` 0) or columns (1) where its update
-    is separable that way; any other tensor only under an element-wise update."""
-    if ndim == 2 and dim in (0, 1):
-        return spec.row_separable if dim == 0 else spec.column_separable
+    steps those elements of the whole: by rows (``dim`` 0, any tensor of 2 dims or more) or a
+    matrix by columns (1) where its update is separable that way; a vector, or another split, only
+    under an element-wise update."""
+    if ndim >= 2 and dim == 0:
+        return spec.row_separable
+    if ndim == 2 and dim == 1:
+        return spec.column_separable
     return spec.row_separable and spec.column_separable
 
 
@@ -91,6 +96,8 @@ def needs_cross_shard_step(spec: OptimizerSpec, param: DTensor) -> bool:
     """Whether ``param`` steps with :class:`CrossShardStep`: split along a dim its optimizer is not
     separable by, or whole on every rank (``Replicate``) under an optimizer separable neither by rows
     nor by columns, whose update DTensor's own operators need not all run (LARS's ``_foreach_copy_``)."""
+    if spec.row_separable and spec.column_separable:
+        return False  # element-wise: each piece steps alone, however it is placed
     split = split_of(param)
     if split is None:
         return not (spec.row_separable or spec.column_separable)

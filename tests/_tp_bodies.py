@@ -160,3 +160,60 @@ def refused(rank, world_size, order):
         error = None
     changed = [n for n, p in model.named_parameters() if not torch.equal(_full(p.detach()), before[n])]
     return {"error": error, "changed": changed}
+
+
+def two_dimensional(rank, world_size, name, layout, shape, steps=3):
+    """``layout`` "hsdp": ``overlap_optim.fully_shard`` over a (replicate, shard) mesh of ``shape``;
+    "dp_tp": ``parallelize_module`` over the mesh's "tp" dimension, then ``overlap_optim.fully_shard``
+    over its "dp" one. Each rank's batch is its dp (or replicate) coordinate's part of the global one.
+    The weights with optimizer ``name``, the biases Adam; each step's largest difference from the
+    reference on the global batch, and how far the reference moved."""
+    cls, kwargs = _setting(name)
+    bcls, bkwargs = _setting("adam")
+    model = mlp()
+    reference = copy.deepcopy(model)
+    overlap_optim.apply_optimizer_in_backward(cls, [model.fc1.weight, model.fc2.weight], kwargs)
+    overlap_optim.apply_optimizer_in_backward(bcls, [model.fc1.bias, model.fc2.bias], bkwargs)
+    names = ("replicate", "shard") if layout == "hsdp" else ("dp", "tp")
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    if layout == "hsdp":
+        overlap_optim.fully_shard(model, mesh=mesh)
+    else:
+        parallelize_module(model, mesh["tp"], PLAN)
+        overlap_optim.fully_shard(model, mesh=mesh["dp"])
+    ref_opts = [cls([reference.fc1.weight, reference.fc2.weight], **kwargs),
+                bcls([reference.fc1.bias, reference.fc2.bias], **bkwargs)]
+    start = [p.detach().clone() for p in reference.parameters()]
+    parts, part = shape[0], mesh.get_local_rank(0)
+    diffs = []
+    for step in range(steps):
+        x, y = _batch(step)
+        rows = x.shape[0] // parts
+        mine = slice(part * rows, (part + 1) * rows)
+        (model(x[mine]) - y[mine]).square().mean().backward()
+        (reference(x[: rows * parts]) - y[: rows * parts]).square().mean().backward()
+        for opt in ref_opts:
+            opt.step()
+            opt.zero_grad()
+        diffs.append(max((_full(p) - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())))
+    moved = min((p.detach() - s).abs().max().item() for p, s in zip(reference.parameters(), start))
+    return {"diffs": diffs, "moved": moved}
+
+
+def refused_two_splits(rank, world_size, name):
+    """dp x tp on a 2 x 2 mesh with ``name`` on the weights: the error, and how many FSDP modules the
+    model has after it (none: refused before torch's fully_shard ran)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls, kwargs = _setting(name)
+    model = mlp()
+    overlap_optim.apply_optimizer_in_backward(cls, [model.fc1.weight, model.fc2.weight], kwargs)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], PLAN)
+    try:
+        overlap_optim.fully_shard(model, mesh=mesh["dp"])
+    except ValueError as err:
+        error = str(err)
+    else:
+        error = None
+    return {"error": error, "fsdp_modules": sum(isinstance(m, FSDPModule) for m in model.modules())}

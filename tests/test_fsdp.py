@@ -241,11 +241,12 @@ def test_mixed_precision_that_casts_is_refused(setting):
         overlap_optim.fully_shard(_annotated(), mp_policy=MixedPrecisionPolicy(**{setting: torch.bfloat16}))
 
 
-def test_a_2d_mesh_is_refused():
+def test_a_3d_mesh_is_refused():
+    """1-D meshes shard, 2-D ones are HSDP (tests/test_tensor_parallel.py); 3-D ones are refused."""
     from types import SimpleNamespace
 
-    mesh = SimpleNamespace(ndim=2)  # only its shape is read before refusing: no process group needed
-    with pytest.raises(ValueError, match="has 2 dimensions"):
+    mesh = SimpleNamespace(ndim=3)  # only its shape is read before refusing: no process group needed
+    with pytest.raises(ValueError, match="has 3 dimensions"):
         overlap_optim.fully_shard(_annotated(), mesh=mesh)
 
 

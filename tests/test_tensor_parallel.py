@@ -35,12 +35,25 @@ CASES = {
     "statistics-local": bodies.statistics_local,
     "all-reduces": bodies.all_reduces,
     **{f"refused-{order}": functools.partial(bodies.refused, order=order) for order in ORDERS},
+    **{f"{layout}-{shape}-{name}": functools.partial(bodies.two_dimensional, name=name, layout=layout, shape=shape)
+       for layout in ("hsdp", "dp_tp") for shape in ((1, 2), (2, 1)) for name in CLIPPED},
+}
+FOUR_RANKS = {
+    **{f"hsdp-{name}": functools.partial(bodies.two_dimensional, name=name, layout="hsdp", shape=(2, 2))
+       for name in CLIPPED},
+    "dp_tp-adam": functools.partial(bodies.two_dimensional, name="adam", layout="dp_tp", shape=(2, 2)),
+    "dp_tp-adafactor-refused": functools.partial(bodies.refused_two_splits, name="adafactor"),
 }
 
 
 @pytest.fixture(scope="module")
 def results():
     return run_cases(CASES, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_cases(FOUR_RANKS, world_size=4, timeout=400)
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -88,3 +101,32 @@ def test_an_optimizer_with_no_cross_shard_form_is_refused_by_name(results, order
         assert rank["error"] is not None and "GaLore" in rank["error"] and "Shard" in rank["error"], rank
         assert ("params[0]" if order == "after" else "Linear.weight") in rank["error"], rank["error"]
         assert rank["changed"] == []
+
+
+@pytest.mark.parametrize("name", CLIPPED)
+@pytest.mark.parametrize("layout", ("hsdp", "dp_tp"))
+@pytest.mark.parametrize("shape", ((1, 2), (2, 1)))
+def test_two_dimensional_meshes_on_two_ranks(results, layout, shape, name):
+    """HSDP (``overlap_optim.fully_shard`` over a (replicate, shard) mesh) and FSDP2 over tensor
+    parallelism (dp x tp), on the meshes 2 ranks make: each rank trains its dp coordinate's part of
+    the batch, exact against the reference on the whole."""
+    for rank in results[f"{layout}-{shape}-{name}"]:
+        assert max(rank["diffs"]) < 1e-6, rank["diffs"]
+        assert rank["moved"] > 7e-3
+
+
+@pytest.mark.parametrize("case", ["hsdp-adam", "hsdp-adafactor", "hsdp-muon", "dp_tp-adam"])
+def test_two_by_two_meshes_on_four_ranks(four_ranks, case):
+    """The real 2 x 2 meshes: HSDP with element-wise and layer-wise optimizers (the statistics summed
+    over the shard dimension, the replicas equal), and dp x tp with Adam."""
+    for rank in four_ranks[case]:
+        assert max(rank["diffs"]) < 1e-6, rank["diffs"]
+        assert rank["moved"] > 7e-3
+
+
+def test_a_layer_wise_optimizer_on_a_parameter_split_twice_is_refused(four_ranks):
+    """dp x tp on 2 x 2 with Adafactor: fc1's weight would be split over tp and again over dp. Refused
+    by name, on every rank, before torch's fully_shard has run."""
+    for rank in four_ranks["dp_tp-adafactor-refused"]:
+        assert "'fc1.weight'" in rank["error"] and "splits on two are not built yet" in rank["error"], rank
+        assert rank["fsdp_modules"] == 0
