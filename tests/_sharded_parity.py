@@ -35,7 +35,8 @@ FAMILIES = {
 
 
 def build(names, settings, sharding_type, world_size, sharder=None, dense=None, comm=None, together=False,
-          pinned_dense=(), seed=0, dense_layers=(0,), dim=8, family="ebc", dense_tables=(), wrapper=None):
+          pinned_dense=(), seed=0, dense_layers=(0,), dim=8, family="ebc", dense_tables=(), wrapper=None,
+          before_dmp=None):
     """(sharded DMP model, unsharded reference, reference optimizers) from one seed.
 
     ``sharding_type``: one for every table, or a dict table -> type.
@@ -46,6 +47,7 @@ def build(names, settings, sharding_type, world_size, sharder=None, dense=None, 
     ``family``: "ebc" (an EmbeddingBagCollection) or "ec" (an EmbeddingCollection, see ``FAMILIES``).
     ``dense_tables``: tables the sharder runs with dense semantics.
     ``wrapper``: DMP's data_parallel_wrapper for the dense part (default, with ``dense``: ours for DDP).
+    ``before_dmp``: called with the annotated model before DMP wraps it (tensor parallelism).
     """
     model_class, sharder_class = FAMILIES[family]
     model = model_class(names, seed=seed, dim=dim)
@@ -70,6 +72,8 @@ def build(names, settings, sharding_type, world_size, sharder=None, dense=None, 
     )
     sharder_list = sharder if isinstance(sharder, list) else [sharder]
     plan = planner.collective_plan(model, sharder_list, dist.group.WORLD)
+    if before_dmp is not None:
+        before_dmp(model)
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharder_list, **wrapper)
     with torch.no_grad():  # sharding re-initialises tables: start both from the reference's weights
         for name in names:

@@ -217,3 +217,33 @@ def refused_two_splits(rank, world_size, name):
     else:
         error = None
     return {"error": error, "fsdp_modules": sum(isinstance(m, FSDPModule) for m in model.modules())}
+
+
+def dmp_with_tp(rank, world_size, steps=3):
+    """TorchRec's DMP with tables sharded by our sharder (fused Adagrad table_wise, fallback Adam
+    row_wise, data-parallel SGD) and the MLP tensor-parallel over the "tp" dimension of a (dp 1,
+    tp 2) mesh (``parallelize_module`` before DMP, then ``sharders.FullyShardWrapper`` over "dp"),
+    Adafactor on its layers. Both ranks are one data-parallel replica: they read the same batch.
+    Every weight is compared with the unsharded model under torch.optim after every step (inside
+    step_side_by_side); returns how far the reference moved and the dense parameters' placements."""
+    import sharders
+    from _models import covering_batch
+    from _sharded_parity import build, step_side_by_side
+
+    names = ["t0", "t1", "t2"]
+    settings = [(torch.optim.Adagrad, {"lr": 0.1}), (torch.optim.Adam, {"lr": 0.05}), (torch.optim.SGD, {"lr": 0.1})]
+    types = {"t0": "table_wise", "t1": "row_wise", "t2": "data_parallel"}
+    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
+    tp = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    dmp, reference, ref_opts = build(
+        names, settings, types, world_size, dense=(torch.optim.Adafactor, {"lr": 0.05}), dense_layers=(0, 2),
+        wrapper=sharders.FullyShardWrapper(mesh=mesh["dp"]),
+        before_dmp=lambda model: parallelize_module(model.dense, mesh["tp"], tp))
+    start = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    for step in range(steps):
+        batch = covering_batch(names, torch.Generator().manual_seed(800 + step))
+        step_side_by_side(dmp, reference, ref_opts, names, [batch] * world_size, rank, step)
+    return {
+        "moved": {n: (p.detach() - start[n]).abs().max().item() for n, p in reference.named_parameters()},
+        "placements": sorted({str(p.placements) for n, p in dmp.named_parameters() if ".dense." in f".{n}"}),
+    }

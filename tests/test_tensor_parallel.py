@@ -37,6 +37,7 @@ CASES = {
     **{f"refused-{order}": functools.partial(bodies.refused, order=order) for order in ORDERS},
     **{f"{layout}-{shape}-{name}": functools.partial(bodies.two_dimensional, name=name, layout=layout, shape=shape)
        for layout in ("hsdp", "dp_tp") for shape in ((1, 2), (2, 1)) for name in CLIPPED},
+    "dmp": bodies.dmp_with_tp,
 }
 FOUR_RANKS = {
     **{f"hsdp-{name}": functools.partial(bodies.two_dimensional, name=name, layout="hsdp", shape=(2, 2))
@@ -130,3 +131,13 @@ def test_a_layer_wise_optimizer_on_a_parameter_split_twice_is_refused(four_ranks
     for rank in four_ranks["dp_tp-adafactor-refused"]:
         assert "'fc1.weight'" in rank["error"] and "splits on two are not built yet" in rank["error"], rank
         assert rank["fsdp_modules"] == 0
+
+
+def test_a_dmp_model_with_a_tensor_parallel_dense_tower(results):
+    """TorchRec's DMP: fused, fallback and data-parallel tables beside an MLP that is tensor-parallel
+    (Adafactor, ``FullyShardWrapper`` over the mesh's dp dimension of one rank): every weight within
+    1e-5 of torch.optim after every step (asserted on each rank), the reference moved, and the MLP's
+    parameters really split over tp."""
+    for rank in results["dmp"]:
+        assert min(rank["moved"].values()) > 5e-3, rank["moved"]
+        assert "(Shard(dim=0), Shard(dim=1))" in rank["placements"], rank["placements"]
