@@ -140,7 +140,7 @@ class GroupStep:
     def __call__(self, param: torch.Tensor) -> None:
         clip = clipping_of(param)
         step = functools.partial(self._join if clip is None else _step_alone, param)
-        take(lambda _grads: step(), [param.grad.to_local()], clip=clip, window=window_of_params(param),
+        take(lambda _grads: step(), [param.grad], clip=clip, window=window_of_params(param),
              release=releasing_grad(param))
 
     def _join(self, param: torch.Tensor) -> None:

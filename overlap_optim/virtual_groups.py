@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from overlap_optim import compiled
 from overlap_optim._private import foreach
@@ -104,9 +104,9 @@ class LocalState(MutableMapping):
     Args:
         state: the parameter's state dict in its live optimizer, or a function that returns it
             (looked up at each access: a checkpoint load replaces the dict).
-        param: the DTensor parameter (sharded along dim 0).
-        sharded: the names of the entries sharded along dim 0 (an element-wise moment, a row
-            factor); None: every entry shaped as the local shard.
+        param: the DTensor parameter.
+        sharded: the names of the entries sharded as the parameter is (an element-wise moment, a
+            factor along the split dim); None: every entry shaped as the local shard.
     """
 
     def __init__(self, state: dict[str, Any] | Callable[[], dict[str, Any]], param: DTensor,
@@ -129,9 +129,20 @@ class LocalState(MutableMapping):
                 self.sharded is not None and key not in self.sharded):
             self.state[key] = value
             return
-        shape = (self.param.shape[0], *value.shape[1:])
-        self.state[key] = DTensor.from_local(value, self.param.device_mesh, self.param.placements, run_check=False,
+        shape, placements = self._placed(value)
+        self.state[key] = DTensor.from_local(value, self.param.device_mesh, placements, run_check=False,
                                              shape=shape, stride=torch.empty(shape, device="meta").stride())
+
+    def _placed(self, value: torch.Tensor) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+        """The whole shape and the placements of an entry sharded as the parameter is: as many dims
+        as the parameter, the parameter's size along each dim it is split on; or (a row or column
+        vector of a matrix split along one dim) that dim's size, split along the vector's only dim."""
+        placements = self.param.placements
+        split = sorted({p.dim for p in placements if isinstance(p, Shard)})
+        if value.dim() == self.param.dim():
+            return tuple(self.param.shape[d] if d in split else n for d, n in enumerate(value.shape)), placements
+        assert value.dim() == 1 and len(split) == 1, (value.shape, placements)
+        return (self.param.shape[split[0]],), tuple(Shard(0) if type(p) is Shard else p for p in placements)
 
     def __delitem__(self, key: str) -> None:
         del self.state[key]

@@ -137,10 +137,13 @@ class Config:
     fused_params: tuple[tuple[str, Any], ...] = ()  # the sharders' fused_params
     cover: bool = True  # every batch touches every row (else a third of the rows)
     # "hook": the MLP annotated (Adam, our DDP hook); "fsdp": the MLP annotated (Adam), sharded by FSDP2
-    # (sharders.FullyShardWrapper); "user": the user's SGD (our wrapper, DDP without a hook of ours);
+    # (sharders.FullyShardWrapper); "tp": the MLP annotated (Adam), then tensor-parallel over every rank
+    # (parallelize_module before DMP, no data-parallel wrapper); "tp_fsdp": the same, then FSDP2 over the
+    # dp dimension (of one rank) of that (dp, tp) mesh; with either, every rank reads the same batch (one
+    # data-parallel replica). "user": the user's SGD (our wrapper, DDP without a hook of ours);
     # "user_ddp": the user's SGD under TorchRec's default DDP wrapper
     dense_part: str = "hook"
-    dense_state_bf16: bool = False  # the annotated MLP ("hook", "fsdp") with state_dtype=torch.bfloat16
+    dense_state_bf16: bool = False  # the annotated MLP (all but "user", "user_ddp") with state_dtype=torch.bfloat16
     clip: tuple[str, str] | None = None  # ("norm" | "value", "tables" | "everything")
     # with clip ("norm", "everything"): error_if_nonfinite, and step 1's targets are inf on every rank. That
     # step's norm is not finite: it raises on every rank, and the loop skips it as a torch loop skips the
@@ -179,6 +182,14 @@ class Config:
 
     def features(self, collection: str | None = None) -> list[str]:
         return [f for t in self.tables if collection in (None, t.collection) for f in t.features]
+
+
+class _TensorParallelOnly:
+    """DMP's ``data_parallel_wrapper`` for a dense part that tensor parallelism spans over every rank:
+    no data-parallel replica to reduce over, so nothing to wrap."""
+
+    def wrap(self, dmp: Any, env: Any, device: torch.device) -> None:
+        pass
 
 
 def _class(path: str) -> type:
@@ -523,7 +534,7 @@ class ReferenceTrainer:
                 if t.lazy and path == "torch.optim.SparseAdam":
                     self.lazy[t.key] = optimizer
         self.dense_optimizer = None  # the annotated MLP's
-        if config.dense_part not in ("hook", "fsdp"):
+        if config.dense_part in ("user", "user_ddp"):
             self.users.append(_class(USER_OPTIMIZER[0])(model.dense.parameters(), **USER_OPTIMIZER[1]))
         else:
             self.dense_optimizer = _class(DENSE_OPTIMIZER[0])(model.dense.parameters(), **DENSE_OPTIMIZER[1])
@@ -685,7 +696,7 @@ class Ours:
                 path, kwargs, _, _ = OPTIMIZERS[t.optimizer]
                 overlap_optim.apply_optimizer_in_backward(_class(path), [weight], kwargs,
                                                           state_dtype=_state_dtype(t.state_bf16))
-        if config.dense_part in ("hook", "fsdp"):
+        if config.dense_part not in ("user", "user_ddp"):
             overlap_optim.apply_optimizer_in_backward(_class(DENSE_OPTIMIZER[0]), model.dense.parameters(),
                                                       DENSE_OPTIMIZER[1],
                                                       state_dtype=_state_dtype(config.dense_state_bf16))
@@ -752,6 +763,14 @@ class Ours:
             from torch.distributed.device_mesh import init_device_mesh
 
             wrapper = {"data_parallel_wrapper": sharders.FullyShardWrapper(mesh=init_device_mesh("cpu", (world,)))}
+        elif config.dense_part in ("tp", "tp_fsdp"):
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+            parallelize_module(model.dense, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            wrapper = {"data_parallel_wrapper": sharders.FullyShardWrapper(mesh=mesh["dp"])
+                       if config.dense_part == "tp_fsdp" else _TensorParallelOnly()}
         self.dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharder_list,
                                             **wrapper)
         if config.meta == "dmp":  # DMP materialized the MLP: its values are still to set
@@ -969,6 +988,8 @@ def train(rank: int, world_size: int, config: Config, directory: str, resume: bo
     def micro_batches(step: int) -> list[list[dict[str, Any]]]:
         generator = torch.Generator().manual_seed(1000 * config.seed + 10 * step)
         out = [[make_batch(config, generator) for _ in range(config.world_size)] for _ in range(config.micro)]
+        if config.dense_part in ("tp", "tp_fsdp"):  # one data-parallel replica: every rank reads the same batch
+            out = [[copy.deepcopy(parts[0]) for _ in parts] for parts in out]
         if config.non_finite and step == 1:
             for parts in out:
                 for batch in parts:

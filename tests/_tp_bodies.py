@@ -247,3 +247,39 @@ def dmp_with_tp(rank, world_size, steps=3):
         "moved": {n: (p.detach() - start[n]).abs().max().item() for n, p in reference.named_parameters()},
         "placements": sorted({str(p.placements) for n, p in dmp.named_parameters() if ".dense." in f".{n}"}),
     }
+
+
+def checkpointed(rank, world_size, name, steps=2):
+    """``steps`` steps with ``name`` on the weights (Adam on the biases), then the model's and
+    ``get_optimizers``' state dicts loaded into a fresh tensor-parallel model, which trains ``steps``
+    more: each step's largest difference from the reference, and how far the reference moved."""
+    cls, kwargs = _setting(name)
+    bcls, bkwargs = _setting("adam")
+    mesh = init_device_mesh("cpu", (world_size,))
+    reference = mlp()
+    ref_opts = [cls([reference.fc1.weight, reference.fc2.weight], **kwargs),
+                bcls([reference.fc1.bias, reference.fc2.bias], **bkwargs)]
+
+    def fresh(seed):
+        model = mlp(seed)
+        overlap_optim.apply_optimizer_in_backward(cls, [model.fc1.weight, model.fc2.weight], kwargs)
+        overlap_optim.apply_optimizer_in_backward(bcls, [model.fc1.bias, model.fc2.bias], bkwargs)
+        return parallelize_module(model, mesh, PLAN)
+
+    model, diffs = fresh(0), []
+    start = [p.detach().clone() for p in reference.parameters()]
+    for step in range(2 * steps):
+        if step == steps:
+            saved = copy.deepcopy((model.state_dict(), overlap_optim.get_optimizers(model).state_dict()))
+            model = fresh(1)  # other weights, fresh state: all of it must come from the checkpoint
+            model.load_state_dict(saved[0])
+            overlap_optim.get_optimizers(model).load_state_dict(saved[1])
+        x, y = _batch(step)
+        (model(x) - y).square().mean().backward()
+        (reference(x) - y).square().mean().backward()
+        for opt in ref_opts:
+            opt.step()
+            opt.zero_grad()
+        diffs.append(max((_full(p) - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())))
+    moved = min((p.detach() - s).abs().max().item() for p, s in zip(reference.parameters(), start))
+    return {"diffs": diffs, "moved": moved}

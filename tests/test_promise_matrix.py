@@ -115,7 +115,7 @@ def configs(draw) -> Config:
     clip = draw(st.none() | st.tuples(st.sampled_from(["norm", "value"]), st.sampled_from(["tables", "everything"])))
     if clip is not None and clip[1] == "tables" and all(t.optimizer == "frozen" for t in drawn):
         clip = None  # an empty set: nothing to clip
-    dense_part = draw(st.sampled_from(["hook", "fsdp", "user", "user_ddp"]))
+    dense_part = draw(st.sampled_from(["hook", "fsdp", "tp", "tp_fsdp", "user", "user_ddp"]))
     non_finite = clip == ("norm", "everything") and draw(st.booleans())
     return Config(
         tables=tuple(drawn), world_size=draw(st.sampled_from([2, 2, 1])), weighted=weighted, cover=cover,
@@ -128,12 +128,14 @@ def configs(draw) -> Config:
         dense_part=dense_part, clip=clip, micro=draw(st.sampled_from([1, 1, 2])),
         non_finite=non_finite,
         # the annotated MLP's Adam with BF16 state, as the tables' (state_bf16)
-        dense_state_bf16=dense_part in ("hook", "fsdp") and draw(st.sampled_from([False] * 4 + [True])),
+        dense_state_bf16=dense_part not in ("user", "user_ddp") and draw(st.sampled_from([False] * 4 + [True])),
         schedule=draw(st.booleans()),
         # a managed table's checkpoint on another world size is refused (tests/test_managed_collision.py)
         checkpoint=draw(st.sampled_from([None, "in_place", "rollback", "torch_save", "other_plan", "dcp",
                                          "dcp_other_plan", "state_dict_other_plan"] + ([] if managed else ["one_rank"]))),
-        meta=None if managed else draw(st.sampled_from([None] * 12 + ["dmp", "materialize", "to_empty"])),
+        # tensor parallelism places real parameters: a meta MLP is not drawn with it
+        meta=None if managed or dense_part.startswith("tp") else draw(
+            st.sampled_from([None] * 12 + ["dmp", "materialize", "to_empty"])),
         seed=draw(st.integers(0, 1000)),
         vbe="ec" not in collections and not managed and draw(st.sampled_from([False] * 4 + [True])),
         compiled=draw(st.sampled_from([True] * 3 + [False])),
@@ -210,6 +212,12 @@ def directory():
 @example(config=Config((T("t0", "ebc", 2, "table_wise", "sgd"), T("t0", "ebc_b", 2, "table_wise", "sgd", mean=True,
                                                                       shared=True)),
                        world_size=1, cover=False, clip=("norm", "tables"), seed=1))
+# A tensor-parallel MLP under FSDP2 over dp: each rank counted the replicated bias's whole gradient into the
+# global norm (FSDP's group step handed clipping its local tensors, not the DTensor), and its BF16 state was
+# placed as if split on dim 0 (full_tensor of a Shard(1) weight's moment failed).
+@example(config=Config((T("t0", "ebc", 7, "row_wise", "adam"),), dense_part="tp_fsdp", clip=("norm", "everything")))
+@example(config=Config((T("t0", "ebc", 7, "row_wise", "adam"),), dense_part="tp_fsdp", dense_state_bf16=True,
+                       checkpoint="dcp"))
 # Built and annotated on meta: handed to DMP, materialized, or moved by to_empty (which trained nothing, silently).
 @example(config=Config((T("t0", "ebc", 7, "row_wise", "adam"), T("s0", "ec", 5, "data_parallel", "adagrad")),
                        dense_part="fsdp", meta="dmp", checkpoint="torch_save"))
