@@ -44,6 +44,23 @@ def _full(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor() if hasattr(param, "full_tensor") else param
 
 
+def _step(model, reference, ref_opts, step, mine=slice(None), whole=slice(None)) -> float:
+    """One step: ours on rows ``mine`` of the step's batch, the reference on rows ``whole`` and its
+    ``torch.optim`` optimizers; the largest difference of any parameter after it."""
+    x, y = _batch(step)
+    (model(x[mine]) - y[mine]).square().mean().backward()
+    (reference(x[whole]) - y[whole]).square().mean().backward()
+    for opt in ref_opts:
+        opt.step()
+        opt.zero_grad()
+    return max((_full(p) - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+
+
+def _moved(reference, start) -> float:
+    """How far the reference moved its least moved parameter from ``start``."""
+    return min((p.detach() - s).abs().max().item() for p, s in zip(reference.parameters(), start))
+
+
 def _setting(name: str) -> tuple:
     from _layerwise_bodies import LAYERWISE
 
@@ -80,18 +97,26 @@ def train(rank, world_size, name, order="after", steps=3, biases=None, max_norm=
                 bcls([reference.fc1.bias, reference.fc2.bias], **bkwargs)]
     start = [p.detach().clone() for p in reference.parameters()]
     diffs, norms = [], []
+    if max_norm is not None:  # the reference's norm, as clip_grad_norm_ returns it, before its step
+        ref_opts.insert(0, _Clipping(reference, max_norm, norms, clips))
     for step in range(steps):
-        x, y = _batch(step)
-        (model(x) - y).square().mean().backward()
-        (reference(x) - y).square().mean().backward()
-        if max_norm is not None:
-            norms.append((clips[0].total_norm.item(), nn.utils.clip_grad_norm_(reference.parameters(), max_norm).item()))
-        for opt in ref_opts:
-            opt.step()
-            opt.zero_grad()
-        diffs.append(max((_full(p) - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())))
-    moved = min((p.detach() - s).abs().max().item() for p, s in zip(reference.parameters(), start))
-    return {"diffs": diffs, "moved": moved, "norms": norms}
+        diffs.append(_step(model, reference, ref_opts, step))
+    return {"diffs": diffs, "moved": _moved(reference, start), "norms": norms}
+
+
+class _Clipping:
+    """A stand-in first optimizer of the reference: ``clip_grad_norm_`` on its gradients, the norm
+    noted beside ours."""
+
+    def __init__(self, reference, max_norm, norms, clips):
+        self.reference, self.max_norm, self.norms, self.clips = reference, max_norm, norms, clips
+
+    def step(self):
+        theirs = nn.utils.clip_grad_norm_(self.reference.parameters(), self.max_norm).item()
+        self.norms.append((self.clips[0].total_norm.item(), theirs))
+
+    def zero_grad(self):
+        pass
 
 
 def statistics_local(rank, world_size, name="adafactor", steps=3):
@@ -106,15 +131,7 @@ def statistics_local(rank, world_size, name="adafactor", steps=3):
         if step is not None:
             step.round.local = True
     ref_opt = cls(reference.parameters(), **kwargs)
-    diffs = []
-    for step in range(steps):
-        x, y = _batch(step)
-        (model(x) - y).square().mean().backward()
-        (reference(x) - y).square().mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        diffs.append(max((_full(p) - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())))
-    return {"diffs": diffs}
+    return {"diffs": [_step(model, reference, [ref_opt], step) for step in range(steps)]}
 
 
 def all_reduces(rank, world_size, name="adafactor", steps=3):
@@ -184,20 +201,10 @@ def two_dimensional(rank, world_size, name, layout, shape, steps=3):
     ref_opts = [cls([reference.fc1.weight, reference.fc2.weight], **kwargs),
                 bcls([reference.fc1.bias, reference.fc2.bias], **bkwargs)]
     start = [p.detach().clone() for p in reference.parameters()]
-    parts, part = shape[0], mesh.get_local_rank(0)
-    diffs = []
-    for step in range(steps):
-        x, y = _batch(step)
-        rows = x.shape[0] // parts
-        mine = slice(part * rows, (part + 1) * rows)
-        (model(x[mine]) - y[mine]).square().mean().backward()
-        (reference(x[: rows * parts]) - y[: rows * parts]).square().mean().backward()
-        for opt in ref_opts:
-            opt.step()
-            opt.zero_grad()
-        diffs.append(max((_full(p) - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())))
-    moved = min((p.detach() - s).abs().max().item() for p, s in zip(reference.parameters(), start))
-    return {"diffs": diffs, "moved": moved}
+    rows = _batch(0)[0].shape[0] // shape[0]
+    mine, whole = slice(mesh.get_local_rank(0) * rows, (mesh.get_local_rank(0) + 1) * rows), slice(rows * shape[0])
+    diffs = [_step(model, reference, ref_opts, step, mine, whole) for step in range(steps)]
+    return {"diffs": diffs, "moved": _moved(reference, start)}
 
 
 def refused_two_splits(rank, world_size, name):
@@ -274,12 +281,5 @@ def checkpointed(rank, world_size, name, steps=2):
             model = fresh(1)  # other weights, fresh state: all of it must come from the checkpoint
             model.load_state_dict(saved[0])
             overlap_optim.get_optimizers(model).load_state_dict(saved[1])
-        x, y = _batch(step)
-        (model(x) - y).square().mean().backward()
-        (reference(x) - y).square().mean().backward()
-        for opt in ref_opts:
-            opt.step()
-            opt.zero_grad()
-        diffs.append(max((_full(p) - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())))
-    moved = min((p.detach() - s).abs().max().item() for p, s in zip(reference.parameters(), start))
-    return {"diffs": diffs, "moved": moved}
+        diffs.append(_step(model, reference, ref_opts, step))
+    return {"diffs": diffs, "moved": _moved(reference, start)}
