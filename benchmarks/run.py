@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from benchmarks import (  # noqa: E402
     accumulation, clipping, dense_hook, ec_vs_torchrec, fallback, fsdp, layerwise, limit, local_sgd, many_tables,
     precision, round_phases,
-    scaling, sparse_vs_torchrec, virtual_groups,
+    scaling, sparse_vs_torchrec, tensor_parallel, virtual_groups,
 )
 
 log = logging.getLogger("benchmarks")
@@ -51,6 +51,7 @@ MODULES = {
     "round_phases": round_phases,
     "precision": precision,
     "many_tables": many_tables,
+    "tensor_parallel": tensor_parallel,
 }
 FULL_COMMAND = ".venv/bin/python -m benchmarks.run --out benchmarks/results --docs docs/benchmarks.md"
 QUICK_COMMAND = ".venv/bin/python -m benchmarks.run --quick --out /tmp/bench"
@@ -132,6 +133,14 @@ NOTES = {
         "path's optimizer state. FSDP2 itself costs more than DDP here: gathers and reduce-scatters over gloo, "
         "on the 2 cores that compute. Under FSDP2 as under DDP, every rank orthogonalises each whole Muon "
         "update; handing each matrix to one rank would divide that cost by the world size."
+    ),
+    "tensor_parallel": (
+        "Both peers run the same tensor-parallel forward and backward; they differ in the update. Ours steps "
+        "each piece in backward and sums the whole-tensor statistics in one all-reduce (Muon gathers each "
+        "matrix in it); the peer gathers every gradient whole and steps full copies after backward, so every "
+        "rank holds the whole state. Adafactor's state is factored: a weight split along its rows keeps its "
+        "column factor whole on every rank, so its state ratio sits above 1/TP; Muon's momentum is element-wise "
+        "and splits as the weight does."
     ),
     "clipping": (
         "Each clipped peer clips by the global 2-norm at 0.3x its first step's norm, so the bound binds every "

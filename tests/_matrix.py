@@ -707,6 +707,13 @@ class Ours:
             how = ({"max_norm": bound, "error_if_nonfinite": config.non_finite} if config.clip[0] == "norm"
                    else {"clip_value": bound})
             self.clip = overlap_optim.apply_gradient_clipping(members, **how)
+        self.mesh = None
+        if config.dense_part in ("tp", "tp_fsdp"):  # the user's tensor parallelism, once annotated and clipped
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            self.mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
+            parallelize_module(model.dense, self.mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
         if config.meta == "materialize":
             overlap_optim.materialize(model, "cpu")
         elif config.meta == "to_empty":
@@ -764,12 +771,7 @@ class Ours:
 
             wrapper = {"data_parallel_wrapper": sharders.FullyShardWrapper(mesh=init_device_mesh("cpu", (world,)))}
         elif config.dense_part in ("tp", "tp_fsdp"):
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-            mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
-            parallelize_module(model.dense, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-            wrapper = {"data_parallel_wrapper": sharders.FullyShardWrapper(mesh=mesh["dp"])
+            wrapper = {"data_parallel_wrapper": sharders.FullyShardWrapper(mesh=self.mesh["dp"])
                        if config.dense_part == "tp_fsdp" else _TensorParallelOnly()}
         self.dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharder_list,
                                             **wrapper)

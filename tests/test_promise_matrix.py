@@ -218,6 +218,9 @@ def directory():
 @example(config=Config((T("t0", "ebc", 7, "row_wise", "adam"),), dense_part="tp_fsdp", clip=("norm", "everything")))
 @example(config=Config((T("t0", "ebc", 7, "row_wise", "adam"),), dense_part="tp_fsdp", dense_state_bf16=True,
                        checkpoint="dcp"))
+# A refusal at sharding beside a tensor-parallel MLP: the user parallelizes it once annotated, before DMP
+# (the harness did it inside the sharding step, and so saw the refused call change the model).
+@example(config=Config((T("s0", "ec", 1, "table_wise", "user", kernel="key_value"),), cover=False, dense_part="tp"))
 # Built and annotated on meta: handed to DMP, materialized, or moved by to_empty (which trained nothing, silently).
 @example(config=Config((T("t0", "ebc", 7, "row_wise", "adam"), T("s0", "ec", 5, "data_parallel", "adagrad")),
                        dense_part="fsdp", meta="dmp", checkpoint="torch_save"))
