@@ -34,6 +34,8 @@ from torch.utils.hooks import RemovableHandle
 
 __all__ = [
     "PRIVATE_APIS",
+    "dtensor_piece",
+    "splits",
     "queue_end_of_backward",
     "backward_id",
     "ddp_managed_parameters",
@@ -385,6 +387,38 @@ def module_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter |
     return module.__dict__["_parameters"]
 
 
+def dtensor_piece(param: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(this rank's local shape, its offset in the whole)`` of DTensor ``param``, for any placements
+    (FSDP2's strided shards over tensor parallelism's included): each piece is one block of the whole.
+    Private: ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(shape), tuple(offset)
+
+
+def _probe_strided_shard() -> object:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(0, split_factor=2)
+
+
+def splits(placement: Any) -> bool:
+    """Whether a DTensor placement splits its tensor along ``placement.dim``: ``Shard``, or the
+    strided shard FSDP2 places over tensor parallelism's. Private:
+    ``torch.distributed.tensor.placement_types._StridedShard``."""
+    from torch.distributed.tensor import Shard as TensorShard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(placement, (TensorShard, _StridedShard))
+
+
+def _probe_dtensor_piece() -> object:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return compute_local_shape_and_global_offset
+
+
 def _probe_module_parameters() -> dict:
     parameters = module_parameters(torch.nn.Linear(1, 1))
     assert set(parameters) == {"weight", "bias"}, f"nn.Module._parameters holds {set(parameters)}"
@@ -568,6 +602,8 @@ PRIVATE_APIS: dict[str, Callable[[], object]] = {
     "torch.utils._pytree.tree_leaves": lambda: _pytree.tree_leaves,
     "torch.Tensor._version": _probe_version,
     "torch.nn.Module._parameters": _probe_module_parameters,
+    "torch.distributed.tensor._utils.compute_local_shape_and_global_offset": _probe_dtensor_piece,
+    "torch.distributed.tensor.placement_types._StridedShard": lambda: splits(_probe_strided_shard()),
     "torch.optim._muon._zeropower_via_newtonschulz": lambda: _muon._zeropower_via_newtonschulz,
     "torch.optim._muon._adjust_lr": lambda: _muon._adjust_lr,
     "torchrec.optim.keyed.KeyedOptimizer.defaults['_save_param_groups']": _probe_save_param_groups,

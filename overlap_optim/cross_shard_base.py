@@ -115,6 +115,10 @@ class CrossShardOptimizer(DenseTableOptimizer):
     float32, rounded once, as for a whole table.
     """
 
+    # Whether a matrix split along both axes at once (dp x tp's row-parallel weights) steps exactly: its
+    # statistics are whole-tensor sums, or the matrix (not factors along one axis).
+    splits_both_axes = False
+
     @classmethod
     def slot_size(cls, geometry: Geometry) -> int:
         """Floats of whole-table statistics per step; the same on every rank."""

@@ -26,6 +26,9 @@ class LambTable(CrossShardOptimizer):
     """pytorch-optimizer's ``Lamb``: Adam moments, then the trust ratio ``||w|| / ||u||``; the same
     on a vector."""
 
+    splits_both_axes = True  # whole-tensor sums
+
+
     @classmethod
     def _temporary_bytes(cls, geometry, shard_shape, dtype):
         # the gradient, the update, and the square of the weight, then of the update, for their norms
@@ -82,6 +85,9 @@ class LarsTable(CrossShardOptimizer):
     """pytorch-optimizer's ``LARS``: the trust ratio ``c ||w|| / (||g|| + wd ||w||)``, then momentum.
     On a vector, as its package does, plain SGD with momentum (no trust ratio, no weight decay):
     element-wise, an empty slot."""
+
+    splits_both_axes = True  # whole-tensor sums
+
 
     @classmethod
     def slot_size(cls, geometry):

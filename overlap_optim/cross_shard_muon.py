@@ -32,6 +32,9 @@ class MuonTable(CrossShardOptimizer):
     ``benchmarks/fsdp.py``.
     """
 
+    splits_both_axes = True  # the matrix
+
+
     @classmethod
     def slot_size(cls, geometry):
         rows, cols = geometry.table_shape

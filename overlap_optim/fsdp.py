@@ -46,7 +46,7 @@ from overlap_optim.clipping import clipping_of
 from overlap_optim.cross_shard import cross_shard_class
 from overlap_optim.record import group_of, record
 from overlap_optim.gradient_path import releasing_grad, take
-from overlap_optim.placements import CrossShardStep, needs_cross_shard_step, split_of
+from overlap_optim.placements import CrossShardStep, needs_cross_shard_step, pieces_of
 from overlap_optim.round import EndOfBackwardRound, Phase
 from overlap_optim.update import step_params
 
@@ -224,12 +224,15 @@ def _check_parameters(recorded: dict, custom_placement: bool, shards: int) -> No
         if group is None or (group.spec.row_separable and group.spec.column_separable):
             continue
         spec = group.spec
-        if shards > 1 and isinstance(param, DTensor) and split_of(param) is not None:
+        pieces = pieces_of(param) if shards > 1 and isinstance(param, DTensor) else None
+        implementation = cross_shard_class(spec.optimizer_class, param.dim())
+        if pieces is not None and pieces.dims != {0} and implementation is not None and not implementation.splits_both_axes:
             raise ValueError(
                 f"parameter {name!r} (shape {tuple(param.shape)}) is placed {tuple(param.placements)} already (tensor "
-                f"parallelism), and fully_shard would split it again over {shards} ranks: {spec.name} steps "
-                "across the pieces of a parameter split on one mesh dimension; splits on two are not built yet. "
-                "Annotate it with an element-wise optimizer, or keep it out of fully_shard"
+                f"parallelism), and fully_shard would split its rows too, over {shards} ranks: {spec.name}'s "
+                "cross-shard form splits one axis (its factored statistics run along the other); LAMB, LARS "
+                "and Muon step a matrix split along both. Annotate it with one of those, or an element-wise "
+                "optimizer, or keep it out of fully_shard"
             )
         if _elementwise_on_dim0(spec, param, custom_placement):
             continue

@@ -1,31 +1,35 @@
 """How a DTensor parameter steps, read from its placements.
 
-A parameter that FSDP2 or tensor parallelism made a ``DTensor`` holds one local piece on each
-rank. Its gradient arrives placed as the parameter is, and each piece steps where it lies:
+A parameter that FSDP2 or tensor parallelism made a ``DTensor`` holds one piece on each rank, a
+block of the whole (:func:`pieces_of`). Its gradient arrives placed as the parameter is, and each
+piece steps where it lies:
 
-- ``Replicate`` on every mesh dimension: every rank holds the whole parameter and the whole
-  gradient, and steps it as one process would.
-- ``Shard(d)`` on one mesh dimension: the parameter is split along its dim ``d`` across that
-  dimension's ranks (``torch.chunk``'s split: the last pieces may be short or empty). An optimizer
-  whose update is separable along ``d`` (:func:`exact_on_pieces`) steps each piece alone. A
-  layer-wise one (Adafactor, CAME, LAMB, LARS, Muon) steps across the pieces with its cross-shard
-  form (:mod:`overlap_optim.cross_shard_base`): the first half of the update on this rank's piece
-  in backward, the whole-tensor statistics summed in the round of that dimension's process group
-  (one all-reduce per round phase), then the second half (:class:`CrossShardStep`). Muon's
-  statistic is the whole matrix: a gather.
+- ``Replicate`` on every mesh dimension of more than one rank: every rank holds the whole parameter
+  and the whole gradient, and steps it as one process would.
+- Split (``Shard``, and FSDP2's strided shards over tensor parallelism) along one tensor dim, by one
+  mesh dimension or several, or along both dims of a matrix (dp x tp's row-parallel weights). An
+  optimizer whose update is separable along every split dim (:func:`exact_on_pieces`) steps each piece
+  alone. A layer-wise one (Adafactor, CAME, LAMB, LARS, Muon) steps across the pieces with its
+  cross-shard form (:mod:`overlap_optim.cross_shard_base`): the first half of the update on this
+  rank's piece in backward, the whole-tensor statistics summed over the ranks whose pieces make the
+  whole (one all-reduce per round phase), then the second half (:class:`CrossShardStep`). Muon's
+  statistic is the whole matrix: a gather. A matrix split along both dims takes the forms whose
+  statistics are whole-tensor sums or the matrix (LAMB, LARS, Muon).
 
-:func:`refusal` says, before anything is changed, why a placement cannot be stepped exactly:
-an optimizer with no cross-shard form on a split it is not separable by, or a parameter split
-on two mesh dimensions at once for a layer-wise optimizer.
+:func:`refusal` says, before anything is changed, why a placement cannot be stepped exactly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
+from overlap_optim import _private
 from overlap_optim.accumulation import window_of_params
 from overlap_optim.clipping import clipping_of
 from overlap_optim.cross_shard import cross_shard_class
@@ -37,50 +41,70 @@ from overlap_optim.spec import OptimizerSpec
 from overlap_optim.update import drop_placeholder_state, live_optimizer, set_state_maker
 from overlap_optim.virtual_groups import LocalState
 
-__all__ = ["split_of", "exact_on_pieces", "needs_cross_shard_step", "refusal", "CrossShardStep"]
+__all__ = ["Pieces", "pieces_of", "exact_on_pieces", "needs_cross_shard_step", "refusal", "CrossShardStep"]
 
 
-def split_of(param: DTensor) -> tuple[int, int] | None:
-    """``(mesh dim, tensor dim)`` of the one ``Shard`` placement of ``param`` on a mesh dimension of
-    more than one rank; None where every such placement is ``Replicate``.
+@dataclasses.dataclass(frozen=True)
+class Pieces:
+    """How a DTensor parameter is split: this rank's piece, the tensor dims split, and the process
+    group of the ranks whose pieces make the whole (None: every rank)."""
+
+    geometry: Geometry
+    dims: frozenset[int]
+    group: Any
+
+
+def pieces_of(param: DTensor) -> Pieces | None:
+    """How ``param`` is split across ranks; None where it is whole on every rank.
 
     Raises:
-        NotImplementedError: ``param`` is split on several mesh dimensions, or has a placement
-            that is neither ``Shard`` nor ``Replicate``; the message says which.
+        NotImplementedError: a placement that is neither a shard nor ``Replicate`` on a mesh dimension
+            of more than one rank, or a split on some mesh dimensions but not all of a mesh that is not
+            the whole world (its ranks' group is not built here); the message says which.
     """
-    mesh = param.device_mesh
-    placed = [(m, p) for m, p in enumerate(param.placements) if mesh.size(m) > 1]  # one rank: whole there
-    splits = [(m, p.dim) for m, p in placed if type(p) is Shard]
-    other = [p for _, p in placed if not (isinstance(p, Replicate) or type(p) is Shard)]
-    if other or len(splits) > 1:
-        raise NotImplementedError(f"placements {tuple(param.placements)}")
-    return splits[0] if splits else None
+    mesh, placements = param.device_mesh, param.placements
+    split = [m for m, p in enumerate(placements) if _private.splits(p) and mesh.size(m) > 1]
+    other = [p for m, p in enumerate(placements) if mesh.size(m) > 1 and not (_private.splits(p) or isinstance(p, Replicate))]
+    if other:
+        raise NotImplementedError(f"placements {tuple(placements)}")
+    if not split:
+        return None
+    if len(split) == 1:
+        group = mesh.get_group(split[0])
+    elif len(split) == mesh.ndim and mesh.size() == dist.get_world_size():
+        group = None
+    else:
+        raise NotImplementedError(f"placements {tuple(placements)} split on {len(split)} of {mesh.ndim} mesh dimensions")
+    dims = frozenset(placements[m].dim for m in split)
+    _, offsets = _private.dtensor_piece(param)
+    axis = next(iter(dims)) if len(dims) == 1 and param.dim() == 2 else 0
+    return Pieces(Geometry(tuple(param.shape), offsets, axis), dims, group)
 
 
-def exact_on_pieces(spec: OptimizerSpec, ndim: int, dim: int) -> bool:
-    """Whether ``spec`` steps each piece of a tensor of ``ndim`` dims split along ``dim`` as it
-    steps those elements of the whole: by rows (``dim`` 0, any tensor of 2 dims or more) or a
-    matrix by columns (1) where its update is separable that way; a vector, or another split, only
-    under an element-wise update."""
-    if ndim >= 2 and dim == 0:
-        return spec.row_separable
-    if ndim == 2 and dim == 1:
-        return spec.column_separable
-    return spec.row_separable and spec.column_separable
+def exact_on_pieces(spec: OptimizerSpec, ndim: int, dims: frozenset[int]) -> bool:
+    """Whether ``spec`` steps each piece of a tensor of ``ndim`` dims split along ``dims`` as it
+    steps those elements of the whole: by rows (dim 0, any tensor of 2 dims or more) or a matrix by
+    columns (1) where its update is separable that way; a vector, or another split, only under an
+    element-wise update."""
+    def separable(dim: int) -> bool:
+        if ndim >= 2 and dim == 0:
+            return spec.row_separable
+        if ndim == 2 and dim == 1:
+            return spec.column_separable
+        return spec.row_separable and spec.column_separable
+
+    return all(separable(dim) for dim in dims)
 
 
 def refusal(spec: OptimizerSpec, param: torch.Tensor) -> str | None:
     """Why ``param`` (a DTensor, or not) cannot be stepped exactly by ``spec`` where it is placed;
     None where it can."""
-    if not isinstance(param, DTensor):
-        return None
+    if not isinstance(param, DTensor) or (spec.row_separable and spec.column_separable):
+        return None  # element-wise: each piece steps alone, however it is placed
     try:
-        split = split_of(param)
+        pieces = pieces_of(param)
     except NotImplementedError as err:
-        if spec.row_separable and spec.column_separable:
-            return None  # element-wise: each piece steps alone, however it is placed
-        return (f"it is placed as {err}: {spec.name}'s cross-shard form steps a parameter split on one mesh "
-                "dimension (its other dimensions Replicate); 2-D splits are not built yet")
+        return f"it is placed as {err}, which {spec.name}'s cross-shard form does not step"
     if not needs_cross_shard_step(spec, param):
         return None
     implementation = cross_shard_class(spec.optimizer_class, param.dim())
@@ -89,7 +113,12 @@ def refusal(spec: OptimizerSpec, param: torch.Tensor) -> str | None:
         if not shapes:
             return f"{spec.name} does not step a piece as it steps those elements of the whole, and has no cross-shard form"
         return f"{spec.name} steps across pieces a {' or '.join(shapes)} parameter only"
-    return None if split is None else implementation.unsupported(spec, split[1] if param.dim() == 2 else 0)
+    if pieces is None:
+        return None
+    if len(pieces.dims) > 1 and not implementation.splits_both_axes:
+        return (f"it is split along both its rows and its columns, and {spec.name}'s cross-shard form splits one "
+                "axis (its factored statistics run along the other); LAMB, LARS and Muon step such a matrix")
+    return implementation.unsupported(spec, pieces.geometry.axis)
 
 
 def needs_cross_shard_step(spec: OptimizerSpec, param: DTensor) -> bool:
@@ -98,10 +127,10 @@ def needs_cross_shard_step(spec: OptimizerSpec, param: DTensor) -> bool:
     nor by columns, whose update DTensor's own operators need not all run (LARS's ``_foreach_copy_``)."""
     if spec.row_separable and spec.column_separable:
         return False  # element-wise: each piece steps alone, however it is placed
-    split = split_of(param)
-    if split is None:
+    pieces = pieces_of(param)
+    if pieces is None:
         return not (spec.row_separable or spec.column_separable)
-    return not exact_on_pieces(spec, param.dim(), split[1])
+    return not exact_on_pieces(spec, param.dim(), pieces.dims)
 
 
 class CrossShardStep:
@@ -115,20 +144,14 @@ class CrossShardStep:
 
     def __init__(self, param: DTensor, name: str) -> None:
         group = group_of(param)
-        split = split_of(param)
-        mesh, local = param.device_mesh, param.to_local().detach()  # the piece's own storage
-        if split is None:  # whole on every rank: the form on one piece, its sums this rank's own
+        pieces = pieces_of(param)
+        local = param.to_local().detach()  # the piece's own storage
+        if pieces is None:  # whole on every rank: the form on one piece, its sums this rank's own
             geometry = Geometry(tuple(param.shape), (0,) * param.dim(), 0)
             self.round = EndOfBackwardRound(local=True)
         else:
-            mesh_dim, dim = split
-            size = param.shape[dim]
-            chunk = -(-size // mesh.size(mesh_dim))  # torch.chunk's split, as Shard places it
-            offset = min(mesh.get_local_rank(mesh_dim) * chunk, size)
-            assert local.shape[dim] == max(0, min(chunk, size - offset)), (name, local.shape, size, chunk)
-            offsets = tuple(offset if d == dim else 0 for d in range(param.dim()))
-            geometry = Geometry(tuple(param.shape), offsets, dim if param.dim() == 2 else 0)
-            self.round = EndOfBackwardRound(mesh.get_group(mesh_dim))
+            geometry = pieces.geometry
+            self.round = EndOfBackwardRound(pieces.group)
         implementation = cross_shard_class(group.optimizer_class, param.dim())
         self.round.register(name, implementation.slot_size(geometry))
         self.param = param

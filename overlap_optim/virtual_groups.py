@@ -37,7 +37,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from overlap_optim import compiled
-from overlap_optim._private import foreach
+from overlap_optim._private import foreach, splits
 from overlap_optim.fused import fused_step
 from overlap_optim.spec import OptimizerSpec
 
@@ -138,7 +138,7 @@ class LocalState(MutableMapping):
         as the parameter, the parameter's size along each dim it is split on; or (a row or column
         vector of a matrix split along one dim) that dim's size, split along the vector's only dim."""
         placements = self.param.placements
-        split = sorted({p.dim for p in placements if isinstance(p, Shard)})
+        split = sorted({p.dim for p in placements if splits(p)})
         if value.dim() == self.param.dim():
             return tuple(self.param.shape[d] if d in split else n for d, n in enumerate(value.shape)), placements
         assert value.dim() == 1 and len(split) == 1, (value.shape, placements)

@@ -44,7 +44,8 @@ CASES = {
 FOUR_RANKS = {
     **{f"hsdp-{name}": functools.partial(bodies.two_dimensional, name=name, layout="hsdp", shape=(2, 2))
        for name in CLIPPED},
-    "dp_tp-adam": functools.partial(bodies.two_dimensional, name="adam", layout="dp_tp", shape=(2, 2)),
+    **{f"dp_tp-{name}": functools.partial(bodies.two_dimensional, name=name, layout="dp_tp", shape=(2, 2))
+       for name in ("adam", "muon", "lamb", "lars")},
     "dp_tp-adafactor-refused": functools.partial(bodies.refused_two_splits, name="adafactor"),
 }
 
@@ -118,20 +119,24 @@ def test_two_dimensional_meshes_on_two_ranks(results, layout, shape, name):
         assert rank["moved"] > 7e-3
 
 
-@pytest.mark.parametrize("case", ["hsdp-adam", "hsdp-adafactor", "hsdp-muon", "dp_tp-adam"])
+@pytest.mark.parametrize("case", ["hsdp-adam", "hsdp-adafactor", "hsdp-muon",
+                                  "dp_tp-adam", "dp_tp-muon", "dp_tp-lamb", "dp_tp-lars"])
 def test_two_by_two_meshes_on_four_ranks(four_ranks, case):
     """The real 2 x 2 meshes: HSDP with element-wise and layer-wise optimizers (the statistics summed
-    over the shard dimension, the replicas equal), and dp x tp with Adam."""
+    over the shard dimension, the replicas equal), and dp x tp, where fc1's rows are split over all
+    four ranks (FSDP2's strided shards) and fc2's weight along both axes: Adam, and the layer-wise
+    optimizers whose statistics are whole-tensor sums (LAMB, LARS) or the matrix (Muon)."""
     for rank in four_ranks[case]:
         assert max(rank["diffs"]) < 1e-6, rank["diffs"]
         assert rank["moved"] > 7e-3
 
 
-def test_a_layer_wise_optimizer_on_a_parameter_split_twice_is_refused(four_ranks):
-    """dp x tp on 2 x 2 with Adafactor: fc1's weight would be split over tp and again over dp. Refused
-    by name, on every rank, before torch's fully_shard has run."""
+def test_a_factored_optimizer_on_a_matrix_split_along_both_axes_is_refused(four_ranks):
+    """dp x tp on 2 x 2 with Adafactor: fc2's weight would be split along its columns (tp) and its rows
+    (dp), and Adafactor's form splits one axis. Refused by name, on every rank, before torch's
+    fully_shard has run."""
     for rank in four_ranks["dp_tp-adafactor-refused"]:
-        assert "'fc1.weight'" in rank["error"] and "splits on two are not built yet" in rank["error"], rank
+        assert "'fc2.weight'" in rank["error"] and "splits one axis" in rank["error"], rank
         assert rank["fsdp_modules"] == 0
 
 
