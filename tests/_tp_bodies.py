@@ -283,3 +283,23 @@ def checkpointed(rank, world_size, name, steps=2):
             overlap_optim.get_optimizers(model).load_state_dict(saved[1])
         diffs.append(_step(model, reference, ref_opts, step))
     return {"diffs": diffs, "moved": _moved(reference, start)}
+
+
+def torch_fully_shard_2d(rank, world_size):
+    """Annotated, then torch's own ``fully_shard`` over a (replicate, shard) mesh: ``get_optimizers``'
+    refusal, and whether its advice (``overlap_optim.fully_shard`` on that mesh) then trains."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("replicate", "shard"))
+    theirs, ours = mlp(), mlp()
+    for model in (theirs, ours):
+        overlap_optim.apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 0.05})
+    fully_shard(theirs.fc1, mesh=mesh)
+    fully_shard(theirs, mesh=mesh)
+    try:
+        overlap_optim.get_optimizers(theirs)
+        error = None
+    except RuntimeError as err:
+        error = str(err)
+    overlap_optim.fully_shard(ours, mesh=mesh)
+    return {"error": error, "keys": sorted(overlap_optim.get_optimizers(ours).params)}

@@ -39,6 +39,7 @@ CASES = {
     **{f"{layout}-{shape}-{name}": functools.partial(bodies.two_dimensional, name=name, layout=layout, shape=shape)
        for layout in ("hsdp", "dp_tp") for shape in ((1, 2), (2, 1)) for name in CLIPPED},
     "dmp": bodies.dmp_with_tp,
+    "torch-fully-shard-2d": bodies.torch_fully_shard_2d,
     **{f"checkpointed-{name}": functools.partial(bodies.checkpointed, name=name) for name in CHECKPOINTED},
 }
 FOUR_RANKS = {
@@ -158,3 +159,11 @@ def test_a_checkpoint_of_placed_state_resumes_exactly(results, name):
     for rank in results[f"checkpointed-{name}"]:
         assert max(rank["diffs"]) < 5e-6, rank["diffs"]
         assert rank["moved"] > 7e-3
+
+
+def test_torch_fully_shard_on_a_2d_mesh_is_refused_with_advice_that_works(results):
+    """torch's own ``fully_shard`` over a (replicate, shard) mesh leaves the annotations behind:
+    ``get_optimizers`` refuses it, advising ``overlap_optim.fully_shard``, which takes that mesh."""
+    for rank in results["torch-fully-shard-2d"]:
+        assert rank["error"] is not None and "overlap_optim.fully_shard(module, mesh=mesh)" in rank["error"], rank
+        assert rank["keys"] == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
