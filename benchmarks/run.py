@@ -140,7 +140,9 @@ NOTES = {
         "matrix in it); the peer gathers every gradient whole and steps full copies after backward, so every "
         "rank holds the whole state. Adafactor's state is factored: a weight split along its rows keeps its "
         "column factor whole on every rank, so its state ratio sits above 1/TP; Muon's momentum is element-wise "
-        "and splits as the weight does."
+        "and splits as the weight does. **Why Muon's 1 is missed:** its gather is the round's all-reduce of the "
+        "whole matrix in float64, zeros outside each piece: four times the bytes of the peer's float32 "
+        "all-gather; both then orthogonalise every matrix on every rank."
     ),
     "clipping": (
         "Each clipped peer clips by the global 2-norm at 0.3x its first step's norm, so the bound binds every "
