@@ -137,8 +137,9 @@ class CrossShardStep:
     """The post-accumulate-grad hook of a DTensor parameter (a matrix or a vector) whose layer-wise
     optimizer steps across its pieces (:mod:`overlap_optim.cross_shard_base`): once its gradient is
     ready (after FSDP2's reduce-scatter, or tensor parallelism's backward), the first half of the
-    update on this rank's piece (none, on an empty one) and its partial sums into the round of its
-    mesh dimension's group; the round's one all-reduce at the end of backward, then the second half.
+    update on this rank's piece (none, on an empty one) and its partial sums into a round over the
+    ranks whose pieces make the whole (:func:`pieces_of`; a replicated parameter's round is this
+    rank's own); the round's one all-reduce at the end of backward, then the second half.
     The state is the parameter's live optimizer's, its piece-shaped entries DTensors placed as the
     parameter is."""
 
