@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from overlap_optim import _private, meta_params, placements
 from overlap_optim.clipping import GradientClipping, clipping_of, join_clipping, taken_by
@@ -253,14 +252,14 @@ def _refuse_placement(spec: OptimizerSpec, param: torch.Tensor, label: str) -> N
 
 
 def _install_placement_step(param: torch.Tensor, label: str) -> None:
-    """Make ``param`` (annotated) step across its DTensor pieces where its placement splits it along
-    an axis its optimizer is not separable by; its default step steps any other placement."""
-    if not isinstance(param, DTensor) or placements.refusal(group_of(param).spec, param) is not None:
+    """Make ``param`` (annotated) step on its DTensor pieces where its placement needs it
+    (:func:`~overlap_optim.placements.needs_piece_step`); its default step steps any other one."""
+    if placements.refusal(group_of(param).spec, param) is not None:
         return
-    if not placements.needs_cross_shard_step(group_of(param).spec, param):
+    if not placements.needs_piece_step(group_of(param), param):
         return
-    step = placements.CrossShardStep(param, label)
-    record(param).cross_shard_step = step
+    step = placements.PieceStep(param, label)
+    record(param).piece_step = step
     replace_step_hook(param, step)
 
 

@@ -46,7 +46,7 @@ from overlap_optim.clipping import clipping_of
 from overlap_optim.cross_shard import cross_shard_class
 from overlap_optim.record import group_of, record
 from overlap_optim.gradient_path import releasing_grad, take
-from overlap_optim.placements import CrossShardStep, needs_cross_shard_step, pieces_of
+from overlap_optim.placements import PieceStep, needs_piece_step, pieces_of
 from overlap_optim.round import EndOfBackwardRound, Phase
 from overlap_optim.update import step_params
 
@@ -102,7 +102,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, **kwargs: Any) -> nn.Mod
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             annotated = [p for p in _managed(sub) if group_of(p) is not None
-                         and record(p).cross_shard_step is None]
+                         and record(p).piece_step is None]
             if annotated:
                 group_step = GroupStep(annotated)
                 for param in annotated:
@@ -112,13 +112,14 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, **kwargs: Any) -> nn.Mod
 
 def _install_cross_shard(module: nn.Module, names: set[str]) -> None:
     """Give each annotated parameter (of ``names``) whose optimizer needs whole-tensor statistics a
-    :class:`~overlap_optim.placements.CrossShardStep`; their rounds share one all-reduce per step."""
+    :class:`~overlap_optim.placements.PieceStep` (and each that no virtual group steps on its shard);
+    their rounds share one all-reduce per step."""
     for name, param in module.named_parameters():
         group = group_of(param)
-        if name not in names or group is None or not needs_cross_shard_step(group.spec, param):
+        if name not in names or group is None or not needs_piece_step(group, param):
             continue
-        step = CrossShardStep(param, name)
-        record(param).cross_shard_step = step
+        step = PieceStep(param, name)
+        record(param).piece_step = step
         replace_step_hook(param, step)
 
 

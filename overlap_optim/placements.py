@@ -12,7 +12,7 @@ piece steps where it lies:
   alone. A layer-wise one (Adafactor, CAME, LAMB, LARS, Muon) steps across the pieces with its
   cross-shard form (:mod:`overlap_optim.cross_shard_base`): the first half of the update on this
   rank's piece in backward, the whole-tensor statistics summed over the ranks whose pieces make the
-  whole (one all-reduce per round phase), then the second half (:class:`CrossShardStep`). Muon's
+  whole (one all-reduce per round phase), then the second half (:class:`PieceStep`). Muon's
   statistic is the whole matrix: a gather. A matrix split along both dims takes the forms whose
   statistics are whole-tensor sums or the matrix (LAMB, LARS, Muon).
 
@@ -33,15 +33,16 @@ from overlap_optim import _private
 from overlap_optim.accumulation import window_of_params
 from overlap_optim.clipping import clipping_of
 from overlap_optim.cross_shard import cross_shard_class
-from overlap_optim.cross_shard_base import CrossShardOptimizer, Geometry, sharded_state_layouts
+from overlap_optim.cross_shard_base import Geometry, sharded_state_layouts
 from overlap_optim.gradient_path import releasing_grad, take
 from overlap_optim.record import group_of
 from overlap_optim.round import EndOfBackwardRound
-from overlap_optim.spec import OptimizerSpec
+from overlap_optim.spec import AnnotationGroup, OptimizerSpec
+from overlap_optim.table_optimizer import DenseTableOptimizer
 from overlap_optim.update import drop_placeholder_state, live_optimizer, set_state_maker
-from overlap_optim.virtual_groups import LocalState
+from overlap_optim.virtual_groups import LocalState, virtual_key
 
-__all__ = ["Pieces", "pieces_of", "exact_on_pieces", "needs_cross_shard_step", "refusal", "CrossShardStep"]
+__all__ = ["Pieces", "pieces_of", "exact_on_pieces", "needs_statistics", "needs_piece_step", "refusal", "PieceStep"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +106,7 @@ def refusal(spec: OptimizerSpec, param: torch.Tensor) -> str | None:
         pieces = pieces_of(param)
     except NotImplementedError as err:
         return f"it is placed as {err}, which {spec.name}'s cross-shard form does not step"
-    if not needs_cross_shard_step(spec, param):
+    if not needs_statistics(spec, param):
         return None
     implementation = cross_shard_class(spec.optimizer_class, param.dim())
     if implementation is None:
@@ -121,10 +122,11 @@ def refusal(spec: OptimizerSpec, param: torch.Tensor) -> str | None:
     return implementation.unsupported(spec, pieces.geometry.axis)
 
 
-def needs_cross_shard_step(spec: OptimizerSpec, param: DTensor) -> bool:
-    """Whether ``param`` steps with :class:`CrossShardStep`: split along a dim its optimizer is not
-    separable by, or whole on every rank (``Replicate``) under an optimizer separable neither by rows
-    nor by columns, whose update DTensor's own operators need not all run (LARS's ``_foreach_copy_``)."""
+def needs_statistics(spec: OptimizerSpec, param: DTensor) -> bool:
+    """Whether ``param``'s update needs its optimizer's cross-shard form: split along a dim its
+    optimizer is not separable by, or whole on every rank (``Replicate``) under an optimizer separable
+    neither by rows nor by columns, whose update DTensor's own operators need not all run (LARS's
+    ``_foreach_copy_``)."""
     if spec.row_separable and spec.column_separable:
         return False  # element-wise: each piece steps alone, however it is placed
     pieces = pieces_of(param)
@@ -133,13 +135,28 @@ def needs_cross_shard_step(spec: OptimizerSpec, param: DTensor) -> bool:
     return not exact_on_pieces(spec, param.dim(), pieces.dims)
 
 
-class CrossShardStep:
-    """The post-accumulate-grad hook of a DTensor parameter (a matrix or a vector) whose layer-wise
-    optimizer steps across its pieces (:mod:`overlap_optim.cross_shard_base`): once its gradient is
-    ready (after FSDP2's reduce-scatter, or tensor parallelism's backward), the first half of the
-    update on this rank's piece (none, on an empty one) and its partial sums into a round over the
-    ranks whose pieces make the whole (:func:`pieces_of`; a replicated parameter's round is this
-    rank's own); the round's one all-reduce at the end of backward, then the second half.
+def needs_piece_step(group: AnnotationGroup, param: torch.Tensor) -> bool:
+    """Whether DTensor ``param`` steps with :class:`PieceStep`: where it needs statistics
+    (:func:`needs_statistics`), and where no virtual group steps its pieces
+    (:func:`~overlap_optim.virtual_groups.virtual_key` is None): ``torch.optim``'s own step on a DTensor
+    runs DTensor's operators, which need not all have a rule (Rprop's masked assignment has none)."""
+    if not isinstance(param, DTensor):
+        return False
+    return needs_statistics(group.spec, param) or virtual_key(group.spec, group.param_group, param) is None
+
+
+class PieceStep:
+    """The post-accumulate-grad hook of a DTensor parameter that steps on its pieces
+    (:func:`needs_piece_step`), once its gradient is ready (after FSDP2's reduce-scatter, or tensor
+    parallelism's backward).
+
+    Where it needs statistics, its optimizer's cross-shard form (:mod:`overlap_optim.cross_shard_base`):
+    the first half of the update on this rank's piece (none, on an empty one) and its partial sums
+    into a round over the ranks whose pieces make the whole (:func:`pieces_of`; a replicated
+    parameter's round is this rank's own); the round's one all-reduce at the end of backward, then the
+    second half. Elsewhere, the optimizer's own class on this rank's piece, as ``torch.optim`` on a
+    plain tensor (:class:`~overlap_optim.table_optimizer.DenseTableOptimizer`), at once.
+
     The state is the parameter's live optimizer's, its piece-shaped entries DTensors placed as the
     parameter is."""
 
@@ -147,17 +164,21 @@ class CrossShardStep:
         group = group_of(param)
         pieces = pieces_of(param)
         local = param.to_local().detach()  # the piece's own storage
-        if pieces is None:  # whole on every rank: the form on one piece, its sums this rank's own
-            geometry = Geometry(tuple(param.shape), (0,) * param.dim(), 0)
-            self.round = EndOfBackwardRound(local=True)
+        self.param, self.round = param, None
+        if needs_statistics(group.spec, param):
+            if pieces is None:  # whole on every rank: the form on one piece, its sums this rank's own
+                geometry = Geometry(tuple(param.shape), (0,) * param.dim(), 0)
+                self.round = EndOfBackwardRound(local=True)
+            else:
+                geometry = pieces.geometry
+                self.round = EndOfBackwardRound(pieces.group)
+            implementation = cross_shard_class(group.optimizer_class, param.dim())
+            self.round.register(name, implementation.slot_size(geometry))
+            self.shard: DenseTableOptimizer = implementation(local, group, name, geometry, self.round)
+            sharded: set[str] | None = set(sharded_state_layouts(group.spec, geometry.axis, param.dim()))
         else:
-            geometry = pieces.geometry
-            self.round = EndOfBackwardRound(pieces.group)
-        implementation = cross_shard_class(group.optimizer_class, param.dim())
-        self.round.register(name, implementation.slot_size(geometry))
-        self.param = param
-        self.shard: CrossShardOptimizer = implementation(local, group, name, geometry, self.round)
-        sharded = set(sharded_state_layouts(group.spec, geometry.axis, param.dim()))
+            self.shard = DenseTableOptimizer(local, group, name)
+            sharded = None  # element-wise: every entry shaped as the piece is placed as the parameter
         # The live optimizer's own dict, looked up at each access (a checkpoint load replaces it), under the
         # tensor the shard steps (the shard itself, or a low-precision shard's float32 copy).
         self.shard._optimizer.state[self.shard.stepped] = LocalState(
@@ -172,5 +193,6 @@ class CrossShardStep:
         grad = grads[0].to_local()
         drop_placeholder_state(param)  # an init_state placeholder that nothing was loaded over
         self.shard.step(torch.arange(grad.shape[0], device=grad.device), grad)
-        self.round.arm()
+        if self.round is not None:
+            self.round.arm()
         param.grad = None

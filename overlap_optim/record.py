@@ -44,7 +44,7 @@ class ParamRecord:
     guard: Any = None  # the hook that refuses a DDP reduction without ours (annotation)
     placeholder: dict[str, int] | None = None  # init_state's placeholder: its tensors' versions then
     state_maker: Callable[[], None] | None = None  # makes fresh state where its step does not (update)
-    cross_shard_step: Any = None  # the layer-wise step across its DTensor pieces (placements)
+    piece_step: Any = None  # placements.PieceStep: its update on its DTensor pieces
     local_sgd: Any = None  # the local_sgd.QSR that averages it (attached by register_optimizer_hook)
     window: Any = None  # accumulation.Window of the model no_step last ran it in (or that reduces it)
 

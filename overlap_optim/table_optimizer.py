@@ -416,7 +416,7 @@ class DenseTableOptimizer(TableOptimizer):
         """A step on a zero gradient, with the weight put back."""
         kept = self.weight.clone()
         no_rows = torch.empty(0, dtype=torch.long, device=self.weight.device)
-        self.step(no_rows, self.weight.new_zeros(0, self.weight.shape[1], dtype=self.math_dtype))
+        self.step(no_rows, self.weight.new_zeros((0, *self.weight.shape[1:]), dtype=self.math_dtype))
         self.weight.copy_(kept)
 
     def _clear_state(self) -> None:

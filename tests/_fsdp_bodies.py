@@ -352,7 +352,7 @@ def layerwise(rank, world_size, name, steps=4, statistics=True):
 def _make_rounds_local(model: nn.Module) -> None:
     """The mutation: each shard finishes its cross-shard step on its own sums."""
     for param in model.parameters():
-        step = getattr(record_of(param), "cross_shard_step", None)
+        step = getattr(record_of(param), "piece_step", None)
         if step is not None:
             step.round.local = True
 

@@ -64,7 +64,10 @@ def _moved(reference, start) -> float:
 def _setting(name: str) -> tuple:
     from _layerwise_bodies import LAYERWISE
 
-    simple = {"adam": (torch.optim.Adam, {"lr": 0.05}), "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})}
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    simple = {"adam": (torch.optim.Adam, {"lr": 0.05}), "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+              "rprop": (torch.optim.Rprop, {"lr": 0.01}), "rowwise_adagrad": (RowWiseAdagrad, {"lr": 0.1})}
     return simple[name] if name in simple else LAYERWISE[name]
 
 
@@ -127,7 +130,7 @@ def statistics_local(rank, world_size, name="adafactor", steps=3):
     parallelize_module(model, init_device_mesh("cpu", (world_size,)), PLAN)
     overlap_optim.apply_optimizer_in_backward(cls, model.parameters(), kwargs)
     for param in model.parameters():
-        step = record_of(param).cross_shard_step
+        step = record_of(param).piece_step
         if step is not None:
             step.round.local = True
     ref_opt = cls(reference.parameters(), **kwargs)
