@@ -120,6 +120,17 @@ class CrossShardOptimizer(DenseTableOptimizer):
     splits_both_axes = False
 
     @classmethod
+    def on_both_axes(cls) -> type[CrossShardOptimizer] | None:
+        """The form that steps a matrix split along both axes at once: this one where
+        :attr:`splits_both_axes`, another form of the same optimizer, or None (refused)."""
+        return cls if cls.splits_both_axes else None
+
+    @classmethod
+    def sharded_keys(cls, spec: OptimizerSpec, geometry: Geometry) -> set[str]:
+        """The state entries split as the weight is (the others whole on every shard)."""
+        return set(sharded_state_layouts(spec, geometry.axis, len(geometry.table_shape)))
+
+    @classmethod
     def slot_size(cls, geometry: Geometry) -> int:
         """Floats of whole-table statistics per step; the same on every rank."""
         return 2
@@ -171,7 +182,7 @@ class CrossShardOptimizer(DenseTableOptimizer):
         self._grad: torch.Tensor | None = None
         # row_state: the entries sharded as the weight is; table_state: scalars, and the factor
         # every shard holds whole.
-        self._row_keys = set(sharded_state_layouts(group.spec, geometry.axis, len(geometry.table_shape)))
+        self._row_keys = self.sharded_keys(group.spec, geometry)
         self._check_settings()
 
     @torch.no_grad()

@@ -227,13 +227,12 @@ def _check_parameters(recorded: dict, custom_placement: bool, shards: int) -> No
         spec = group.spec
         pieces = pieces_of(param) if shards > 1 and isinstance(param, DTensor) else None
         implementation = cross_shard_class(spec.optimizer_class, param.dim())
-        if pieces is not None and pieces.dims != {0} and implementation is not None and not implementation.splits_both_axes:
+        if pieces is not None and pieces.dims != {0} and implementation is not None and implementation.on_both_axes() is None:
             raise ValueError(
                 f"parameter {name!r} (shape {tuple(param.shape)}) is placed {tuple(param.placements)} already (tensor "
                 f"parallelism), and fully_shard would split its rows too, over {shards} ranks: {spec.name}'s "
-                "cross-shard form splits one axis (its factored statistics run along the other); LAMB, LARS "
-                "and Muon step a matrix split along both. Annotate it with one of those, or an element-wise "
-                "optimizer, or keep it out of fully_shard"
+                "cross-shard form splits one axis; LAMB, LARS, Muon and Adafactor step a matrix split along "
+                "both. Annotate it with one of those, or an element-wise optimizer, or keep it out of fully_shard"
             )
         if _elementwise_on_dim0(spec, param, custom_placement):
             continue

@@ -14,7 +14,7 @@ piece steps where it lies:
   rank's piece in backward, the whole-tensor statistics summed over the ranks whose pieces make the
   whole (one all-reduce per round phase), then the second half (:class:`PieceStep`). Muon's
   statistic is the whole matrix: a gather. A matrix split along both dims takes the forms whose
-  statistics are whole-tensor sums or the matrix (LAMB, LARS, Muon).
+  statistics are whole-tensor sums or the matrix (LAMB, LARS, Muon), and Adafactor's in two rounds.
 
 :func:`refusal` says, before anything is changed, why a placement cannot be stepped exactly.
 """
@@ -33,7 +33,7 @@ from overlap_optim import _private
 from overlap_optim.accumulation import window_of_params
 from overlap_optim.clipping import clipping_of
 from overlap_optim.cross_shard import cross_shard_class
-from overlap_optim.cross_shard_base import Geometry, sharded_state_layouts
+from overlap_optim.cross_shard_base import Geometry
 from overlap_optim.gradient_path import releasing_grad, take
 from overlap_optim.record import group_of
 from overlap_optim.round import EndOfBackwardRound
@@ -116,9 +116,9 @@ def refusal(spec: OptimizerSpec, param: torch.Tensor) -> str | None:
         return f"{spec.name} steps across pieces a {' or '.join(shapes)} parameter only"
     if pieces is None:
         return None
-    if len(pieces.dims) > 1 and not implementation.splits_both_axes:
+    if len(pieces.dims) > 1 and implementation.on_both_axes() is None:
         return (f"it is split along both its rows and its columns, and {spec.name}'s cross-shard form splits one "
-                "axis (its factored statistics run along the other); LAMB, LARS and Muon step such a matrix")
+                "axis; LAMB, LARS, Muon and Adafactor step such a matrix")
     return implementation.unsupported(spec, pieces.geometry.axis)
 
 
@@ -173,9 +173,11 @@ class PieceStep:
                 geometry = pieces.geometry
                 self.round = EndOfBackwardRound(pieces.group)
             implementation = cross_shard_class(group.optimizer_class, param.dim())
+            if pieces is not None and len(pieces.dims) > 1:
+                implementation = implementation.on_both_axes()
             self.round.register(name, implementation.slot_size(geometry))
             self.shard: DenseTableOptimizer = implementation(local, group, name, geometry, self.round)
-            sharded: set[str] | None = set(sharded_state_layouts(group.spec, geometry.axis, param.dim()))
+            sharded: set[str] | None = implementation.sharded_keys(group.spec, geometry)
         else:
             self.shard = DenseTableOptimizer(local, group, name)
             sharded = None  # element-wise: every entry shaped as the piece is placed as the parameter

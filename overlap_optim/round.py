@@ -24,7 +24,8 @@ callbacks queued during that backward: DDP's), in the order of
 their :class:`Phase`: first each round's :meth:`~EndOfBackwardRound.before`
 work (the DDP hook waits for its buckets), then clipping (the norm that every
 clipped update waits for), then the statistics of layer-wise tables (computed
-on clipped gradients), and last every :meth:`~EndOfBackwardRound.defer`-red
+on clipped gradients), then the statistics that need those summed first, and last every
+:meth:`~EndOfBackwardRound.defer`-red
 function (the DDP hook releases its gradients). A round armed while they run
 (a layer-wise table stepped by clipping's finish contributes to its module's
 round) runs in its phase's turn.
@@ -72,6 +73,9 @@ class Phase(enum.IntEnum):
     SETTLE = 0  # the DDP hook waits for every bucket's reduction and update; an FSDP group steps the rest
     CLIP = 1  # gradient clipping: the global norm, then every clipped update
     STATISTICS = 2  # layer-wise tables split across ranks: whole-table statistics
+    # statistics that need the first ones summed (Adafactor on a matrix split along both axes: its
+    # update's norm, from the summed factors)
+    SECOND_STATISTICS = 3
 
 
 class EndOfBackwardRound:

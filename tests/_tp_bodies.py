@@ -182,12 +182,13 @@ def refused(rank, world_size, order):
     return {"error": error, "changed": changed}
 
 
-def two_dimensional(rank, world_size, name, layout, shape, steps=3):
+def two_dimensional(rank, world_size, name, layout, shape, steps=3, statistics=True):
     """``layout`` "hsdp": ``overlap_optim.fully_shard`` over a (replicate, shard) mesh of ``shape``;
     "dp_tp": ``parallelize_module`` over the mesh's "tp" dimension, then ``overlap_optim.fully_shard``
     over its "dp" one. Each rank's batch is its dp (or replicate) coordinate's part of the global one.
     The weights with optimizer ``name``, the biases Adam; each step's largest difference from the
-    reference on the global batch, and how far the reference moved."""
+    reference on the global batch, and how far the reference moved. With ``statistics`` off (a
+    mutation), every round of the pieces' steps is this rank's own."""
     cls, kwargs = _setting(name)
     bcls, bkwargs = _setting("adam")
     model = mlp()
@@ -201,6 +202,12 @@ def two_dimensional(rank, world_size, name, layout, shape, steps=3):
     else:
         parallelize_module(model, mesh["tp"], PLAN)
         overlap_optim.fully_shard(model, mesh=mesh["dp"])
+    if not statistics:
+        for param in model.parameters():
+            step = record_of(param).piece_step
+            for round_ in (getattr(step, "round", None), getattr(getattr(step, "shard", None), "norm_round", None)):
+                if round_ is not None:
+                    round_.local = True
     ref_opts = [cls([reference.fc1.weight, reference.fc2.weight], **kwargs),
                 bcls([reference.fc1.bias, reference.fc2.bias], **bkwargs)]
     start = [p.detach().clone() for p in reference.parameters()]
