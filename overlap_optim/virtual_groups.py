@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from overlap_optim import compiled
 from overlap_optim._private import foreach, splits
@@ -137,12 +137,15 @@ class LocalState(MutableMapping):
         """The whole shape and the placements of an entry sharded as the parameter is: as many dims
         as the parameter, the parameter's size along each dim it is split on; or (a row or column
         vector of a matrix split along one dim) that dim's size, split along the vector's only dim."""
-        placements = self.param.placements
-        split = sorted({p.dim for p in placements if splits(p)})
+        placements, mesh = self.param.placements, self.param.device_mesh
+        split = sorted({p.dim for m, p in enumerate(placements) if splits(p) and mesh.size(m) > 1})  # one rank: whole
         if value.dim() == self.param.dim():
             return tuple(self.param.shape[d] if d in split else n for d, n in enumerate(value.shape)), placements
-        assert value.dim() == 1 and len(split) == 1, (value.shape, placements)
-        return (self.param.shape[split[0]],), tuple(Shard(0) if type(p) is Shard else p for p in placements)
+        assert value.dim() == 1 and len(split) <= 1, (value.shape, placements)
+        length = self.param.shape[split[0]] if split else value.shape[0]
+        return (length,), tuple(p if not splits(p) or (mesh.size(m) > 1 and p.dim == 0)  # a row vector: as it is
+                                else Shard(0) if mesh.size(m) > 1 else Replicate()  # a column vector: its dim 0
+                                for m, p in enumerate(placements))
 
     def __delitem__(self, key: str) -> None:
         del self.state[key]
