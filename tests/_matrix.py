@@ -79,7 +79,9 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, Any], bool, str | None]] = {
 }
 NO_OPTIMIZER = ("user", "frozen")  # the user's own optimizer steps it; requires_grad=False
 USER_OPTIMIZER = ("torch.optim.SGD", {"lr": 0.1})
-DENSE_OPTIMIZER = ("torch.optim.Adam", {"lr": 0.02})  # the MLP, in our DDP hook
+# the annotated MLP's optimizer (Config.dense_optimizer): element-wise, or layer-wise (across the pieces of a
+# sharded or tensor-parallel parameter, with its cross-shard form)
+DENSE_OPTIMIZERS = {"adam": ("torch.optim.Adam", {"lr": 0.02}), "adafactor": ("torch.optim.Adafactor", {"lr": 0.02})}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +146,7 @@ class Config:
     # "user_ddp": the user's SGD under TorchRec's default DDP wrapper
     dense_part: str = "hook"
     dense_state_bf16: bool = False  # the annotated MLP (all but "user", "user_ddp") with state_dtype=torch.bfloat16
+    dense_optimizer: str = "adam"  # the annotated MLP's, of DENSE_OPTIMIZERS
     clip: tuple[str, str] | None = None  # ("norm" | "value", "tables" | "everything")
     # with clip ("norm", "everything"): error_if_nonfinite, and step 1's targets are inf on every rank. That
     # step's norm is not finite: it raises on every rank, and the loop skips it as a torch loop skips the
@@ -537,7 +540,8 @@ class ReferenceTrainer:
         if config.dense_part in ("user", "user_ddp"):
             self.users.append(_class(USER_OPTIMIZER[0])(model.dense.parameters(), **USER_OPTIMIZER[1]))
         else:
-            self.dense_optimizer = _class(DENSE_OPTIMIZER[0])(model.dense.parameters(), **DENSE_OPTIMIZER[1])
+            path, kwargs = DENSE_OPTIMIZERS[config.dense_optimizer]
+            self.dense_optimizer = _class(path)(model.dense.parameters(), **kwargs)
             self.optimizers.append(self.dense_optimizer)
             if config.dense_state_bf16:
                 self.bf16_state.append(self.dense_optimizer)
@@ -697,8 +701,8 @@ class Ours:
                 overlap_optim.apply_optimizer_in_backward(_class(path), [weight], kwargs,
                                                           state_dtype=_state_dtype(t.state_bf16))
         if config.dense_part not in ("user", "user_ddp"):
-            overlap_optim.apply_optimizer_in_backward(_class(DENSE_OPTIMIZER[0]), model.dense.parameters(),
-                                                      DENSE_OPTIMIZER[1],
+            path, kwargs = DENSE_OPTIMIZERS[config.dense_optimizer]
+            overlap_optim.apply_optimizer_in_backward(_class(path), model.dense.parameters(), kwargs,
                                                       state_dtype=_state_dtype(config.dense_state_bf16))
         self.clip = None
         if config.clip is not None:
@@ -1076,7 +1080,8 @@ def train(rank: int, world_size: int, config: Config, directory: str, resume: bo
         if t.state_bf16 and _largest_on_any_rank(max(diffs.get(t.key, [0.0]))) > TOL:  # its pieces may be elsewhere
             ulp = {key: max(ulp.get(key, 0.0), _flipped_state(OPTIMIZERS[t.optimizer][1]["lr"], config)) for key in diffs}
     if dense_state["flipped"]:  # the MLP's next updates, and through them every table's, moved by a flipped element
-        ulp = {key: max(ulp.get(key, 0.0), _flipped_state(DENSE_OPTIMIZER[1]["lr"], config)) for key in diffs}
+        lr = DENSE_OPTIMIZERS[config.dense_optimizer][1]["lr"]
+        ulp = {key: max(ulp.get(key, 0.0), _flipped_state(lr, config)) for key in diffs}
     # the sharded collections the pipeline runs the input dist of ahead (TorchRec leaves out what it cannot trace)
     pipelined = None if ours.pipeline is None else len(ours.pipeline._pipelined_modules)
     return {"outcome": "exact", "diffs": diffs, "moved": moved, "noise": noise, "from_exact": from_exact, "ulp": ulp,

@@ -129,6 +129,7 @@ def configs(draw) -> Config:
         non_finite=non_finite,
         # the annotated MLP's Adam with BF16 state, as the tables' (state_bf16)
         dense_state_bf16=dense_part not in ("user", "user_ddp") and draw(st.sampled_from([False] * 4 + [True])),
+        dense_optimizer="adam" if dense_part in ("user", "user_ddp") else draw(st.sampled_from(["adam", "adam", "adafactor"])),
         schedule=draw(st.booleans()),
         # a managed table's checkpoint on another world size is refused (tests/test_managed_collision.py)
         checkpoint=draw(st.sampled_from([None, "in_place", "rollback", "torch_save", "other_plan", "dcp",
@@ -224,6 +225,13 @@ def directory():
                         T("t0", "ebc_b", 2, "table_wise", "lamb", mean=True, state_bf16=True),
                         T("t1", "ebc_b", 5, "data_parallel", "adagrad", mean=True)),
                        cover=False, dense_part="tp", micro=2, seed=2))
+# Adafactor on a tensor-parallel MLP over one rank (every mesh dimension of one rank): its state entries were
+# placed as split along the weight's Shard(1), on a mesh that splits nothing (a (1, 1) factor read as (1, 4)),
+# and a checkpoint of it refused to load; the same into a model sharded for one rank.
+@example(config=Config((T("t0", "ebc", 7, "row_wise", "adam"), T("t1", "ebc", 5, "table_wise", "sgd")),
+                       dense_part="tp_fsdp", dense_optimizer="adafactor", world_size=1, checkpoint="torch_save"))
+@example(config=Config((T("t0", "ebc", 7, "row_wise", "adam"), T("t1", "ebc", 5, "table_wise", "sgd")),
+                       dense_part="tp", dense_optimizer="adafactor", checkpoint="one_rank"))
 # A refusal at sharding beside a tensor-parallel MLP: the user parallelizes it once annotated, before DMP
 # (the harness did it inside the sharding step, and so saw the refused call change the model).
 @example(config=Config((T("s0", "ec", 1, "table_wise", "user", kernel="key_value"),), cover=False, dense_part="tp"))
