@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from overlap_optim.cross_shard_base import CrossShardOptimizer, nbytes, square_norm
-from overlap_optim.round import EndOfBackwardRound, Phase
+from overlap_optim.cross_shard_base import BlockForm, CrossShardOptimizer, nbytes, square_norm
 
 __all__ = ["AdafactorTable", "AdafactorBlock", "AdafactorVector"]
 
@@ -143,34 +142,20 @@ class AdafactorTable(CrossShardOptimizer):
         self._touched = None
 
 
-class AdafactorBlock(CrossShardOptimizer):
-    """``torch.optim.Adafactor`` on a matrix split along both axes at once (FSDP2 over tensor
-    parallelism: a row-parallel weight's rows over dp, its columns over tp).
-
-    Both factors, ``row_var`` (R, 1) and ``col_var`` (1, C), are kept whole on every shard. A
-    shard's rows meet only part of the columns, so neither factor is known before a round, nor the
-    update's RMS before the factors: two rounds. The first (``STATISTICS``) sums ``||w||^2`` and, at
-    the shard's offsets, the partial sums of ``g^2`` along each axis (``1 + R + C`` floats); every
-    shard then updates both factors alike, forms its update, and the second
-    (``SECOND_STATISTICS``) sums ``||u||^2`` (1 float). The update is torch's, variance floor
-    included, in both.
+class AdafactorBlock(BlockForm):
+    """``torch.optim.Adafactor`` on a matrix split along both axes at once (:class:`BlockForm`):
+    ``row_var`` (R, 1) and ``col_var`` (1, C) whole on every shard. The first round sums ``g^2`` along
+    each axis; every shard then updates both factors alike and forms its update, and the second sums
+    ``||u||^2`` (1 float). The update is torch's, variance floor included.
     """
 
     @classmethod
-    def slot_size(cls, geometry):
-        rows, cols = geometry.table_shape
-        return 1 + rows + cols
+    def second_slot_size(cls, geometry):
+        return 1
 
     @classmethod
     def sharded_keys(cls, spec, geometry):
         return set()  # both factors whole on every shard
-
-    def __init__(self, weight, group, name, geometry, round_):
-        super().__init__(weight, group, name, geometry, round_)
-        self.norm_round = EndOfBackwardRound(round_.process_group, phase=Phase.SECOND_STATISTICS, local=round_.local)
-        self.norm_round.register(name, 1)
-        self._update: torch.Tensor | None = None
-        self._alpha = 0.0
 
     def _fresh_state(self, state):
         rows, cols = self.geometry.table_shape
@@ -180,52 +165,33 @@ class AdafactorBlock(CrossShardOptimizer):
 
     def partials(self, ids, grads, state, h):
         grad = self._counted_gradient(ids, grads, state, "row_var")
-        (rows, cols), (row, col) = self.geometry.table_shape, self.geometry.offsets
         weight_sq = square_norm(self.stepped)  # before weight decay
         if h["weight_decay"] != 0:
             self.stepped.mul_(1 - h["lr"] * h["weight_decay"])
         self._grad = grad
-        stats = weight_sq.new_zeros(1 + rows + cols)
-        stats[0] = weight_sq
         square = (grad * grad).double()
-        stats[1 + row : 1 + row + grad.shape[0]] = square.sum(1)
-        stats[1 + rows + col : 1 + rows + col + grad.shape[1]] = square.sum(0)
-        return stats
+        return torch.cat([weight_sq[None], self.at_offsets(square.sum(1), square.sum(0))])
 
-    def _second_half(self, stats):
-        """The factors from the summed sums, this shard's update, and its ``||u||^2`` into the second
-        round, which closes the step (also when a half refuses: what ran stays, as on a whole table)."""
-        try:
-            self._factored_update(stats)
-            self.norm_round.contribute(self.name, self._update.double().square().sum().reshape(1), self._last_half)
-            self.norm_round.arm()
-        except BaseException:
-            self.close()
-            raise
-
-    def _factored_update(self, stats):
+    def between(self, stats):
         h, state = self.group.param_group, self._optimizer.state[self.stepped]
-        (rows, cols), (row, col) = self.geometry.table_shape, self.geometry.offsets
-        local_rows, local_cols = self._grad.shape
+        rows, cols = self.geometry.table_shape
         beta = float(state["step"]) ** h["beta2_decay"]
         eps1 = h["eps"][0] if h["eps"][0] is not None else torch.finfo(self.stepped.dtype).eps
         state["row_var"].lerp_((stats[1 : 1 + rows] / cols).to(self.stepped.dtype)[:, None], beta)
         state["col_var"].lerp_((stats[1 + rows :] / rows).to(self.stepped.dtype)[None, :], beta)
         floor = max(float(state["row_var"].double().mean()), eps1)
-        estimate = (state["row_var"][row : row + local_rows] @ state["col_var"][:, col : col + local_cols]).div_(floor)
+        estimate = self.local_block(state["row_var"][:, 0], state["col_var"][0]).div_(floor)
         self._update = estimate.clamp_(min=eps1 * eps1).rsqrt_().mul_(self._grad)
         step = float(state["step"])
         self._alpha = max(h["eps"][1], float(stats[0]) ** 0.5 / (rows * cols) ** 0.5) * min(h["lr"], 1 / step**0.5)
         self._grad = None
+        return self._update.double().square().sum().reshape(1)
 
-    def _last_half(self, norm):
-        try:
-            rows, cols = self.geometry.table_shape
-            denom = max(1.0, float(norm[0]) ** 0.5 / ((rows * cols) ** 0.5 * self.group.param_group["d"]))
-            self.stepped.add_(self._update, alpha=-self._alpha / denom)
-        finally:
-            self._update = None
-            self.close()
+    def finish(self, stats):
+        rows, cols = self.geometry.table_shape
+        denom = max(1.0, float(stats[0]) ** 0.5 / ((rows * cols) ** 0.5 * self.group.param_group["d"]))
+        self.stepped.add_(self._update, alpha=-self._alpha / denom)
+        self._update = None
 
 
 class AdafactorVector(CrossShardOptimizer):

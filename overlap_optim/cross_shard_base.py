@@ -37,11 +37,11 @@ from typing import Any
 
 import torch
 
-from overlap_optim.round import EndOfBackwardRound
+from overlap_optim.round import EndOfBackwardRound, Phase
 from overlap_optim.spec import AnnotationGroup, OptimizerSpec
 from overlap_optim.table_optimizer import DenseTableOptimizer, copy_bytes, math_dtype
 
-__all__ = ["CrossShardOptimizer", "Geometry", "sharded_state_layouts", "nbytes", "square_norm"]
+__all__ = ["CrossShardOptimizer", "BlockForm", "Geometry", "sharded_state_layouts", "nbytes", "square_norm"]
 
 _VECTOR_PROBE = 7  # elements of the stand-in vector whose state shapes say which entries are per element
 
@@ -243,3 +243,67 @@ class CrossShardOptimizer(DenseTableOptimizer):
     def _refuse(self, what: str) -> None:
         raise ValueError(f"table {self.name!r}: {self.group.spec.name} with {what} has no cross-shard form yet; "
                          "use table_wise or data_parallel for this table")
+
+
+class BlockForm(CrossShardOptimizer):
+    """A factored optimizer's form on a matrix split along both axes at once (FSDP2 over tensor
+    parallelism: a row-parallel weight's rows over dp, its columns over tp). A shard's rows meet only
+    part of the columns, so its factors, kept whole on every shard, are known only after a round, and
+    what follows from them after a second.
+
+    The first round (``STATISTICS``) carries ``||w||^2`` and the partial sums of :meth:`partials` along
+    each axis, at the shard's offsets (``1 + R + C`` floats); :meth:`between` updates the factors
+    alike on every shard and returns the second round's partial sums (``SECOND_STATISTICS``,
+    :meth:`second_slot_size` floats); :meth:`finish` completes the step. The step closes after it,
+    or where a half refuses.
+    """
+
+    @classmethod
+    def slot_size(cls, geometry: Geometry) -> int:
+        rows, cols = geometry.table_shape
+        return 1 + rows + cols
+
+    @classmethod
+    def second_slot_size(cls, geometry: Geometry) -> int:
+        raise NotImplementedError
+
+    def __init__(self, weight, group: AnnotationGroup, name: str, geometry: Geometry, round_: EndOfBackwardRound) -> None:
+        super().__init__(weight, group, name, geometry, round_)
+        self.second_round = EndOfBackwardRound(round_.process_group, phase=Phase.SECOND_STATISTICS, local=round_.local)
+        self.second_round.register(name, self.second_slot_size(geometry))
+
+    def at_offsets(self, per_row: torch.Tensor, per_col: torch.Tensor) -> torch.Tensor:
+        """Whole-length row and column vectors (along their last dim), this shard's sums at its
+        offsets and zeros elsewhere."""
+        (rows, cols), (row, col) = self.geometry.table_shape, self.geometry.offsets
+        whole = per_row.new_zeros(per_row.shape[:-1] + (rows + cols,))
+        whole[..., row : row + per_row.shape[-1]] = per_row
+        whole[..., rows + col : rows + col + per_col.shape[-1]] = per_col
+        return whole
+
+    def local_block(self, row_vector: torch.Tensor, col_vector: torch.Tensor) -> torch.Tensor:
+        """``row_vector[i] * col_vector[j]`` over this shard's rows and columns."""
+        (row, col), (rows, cols) = self.geometry.offsets, self.stepped.shape
+        return row_vector[row : row + rows, None] * col_vector[None, col : col + cols]
+
+    def _second_half(self, stats: torch.Tensor) -> None:
+        try:
+            self.second_round.contribute(self.name, self.between(stats), self._last_half)
+            self.second_round.arm()
+        except BaseException:
+            self.close()
+            raise
+
+    def _last_half(self, stats: torch.Tensor) -> None:
+        try:
+            self.finish(stats)
+        finally:
+            self.close()
+
+    def between(self, stats: torch.Tensor) -> torch.Tensor:
+        """The factors from the first round's sums; the second round's partial sums."""
+        raise NotImplementedError
+
+    def finish(self, stats: torch.Tensor) -> None:
+        """The step, from the second round's sums."""
+        raise NotImplementedError

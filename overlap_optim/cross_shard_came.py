@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from overlap_optim.cross_shard_base import CrossShardOptimizer, nbytes, square_norm
+from overlap_optim.cross_shard_base import BlockForm, CrossShardOptimizer, nbytes, square_norm
 
-__all__ = ["CameTable", "CameVector"]
+__all__ = ["CameTable", "CameBlock", "CameVector"]
 
 
 class CameTable(CrossShardOptimizer):
@@ -35,6 +35,10 @@ class CameTable(CrossShardOptimizer):
     ``beta1^2 (k^2 s^2 sum h^2 - 2 k s sum h m_old + sum m_old^2)`` plus the eps terms: three
     partial sums per column (row shards) or per row (column shards), in the same round.
     """
+
+    @classmethod
+    def on_both_axes(cls):
+        return CameBlock
 
     @classmethod
     def slot_size(cls, geometry):
@@ -120,6 +124,73 @@ class CameTable(CrossShardOptimizer):
             self.stepped.add_(self.stepped, alpha=-h["weight_decay"] * h["lr"])
         self.stepped.add_(-(step * h["lr"]))
         self._grad = None
+
+
+class CameBlock(BlockForm):
+    """came-pytorch's ``CAME`` on a matrix split along both axes at once (:class:`BlockForm`): every
+    factor whole on every shard, the momentum sharded as the weight. The first round sums
+    ``g^2 + eps1`` along each axis; every shard then updates both second-moment factors alike and
+    forms its unclipped update ``u``. The second sums ``||u||^2`` and, per row and per column, the
+    three sums that expand the residual's means (``sum u^2``, ``sum u m_old``, ``sum m_old^2``:
+    ``1 + 3 R + 3 C`` floats), as :class:`CameTable` expands them along its split axis.
+    """
+
+    @classmethod
+    def second_slot_size(cls, geometry):
+        rows, cols = geometry.table_shape
+        return 1 + 3 * (rows + cols)
+
+    @classmethod
+    def sharded_keys(cls, spec, geometry):
+        return {"exp_avg"}  # the factors whole on every shard
+
+    def _fresh_state(self, state):
+        rows, cols = self.geometry.table_shape
+        state["step"] = 0
+        state["exp_avg"] = torch.zeros_like(self.stepped)
+        for name, size in (("exp_avg_sq_row", rows), ("exp_avg_sq_col", cols), ("exp_avg_res_row", rows),
+                           ("exp_avg_res_col", cols)):
+            state[name] = self.stepped.new_zeros(size)
+        state["RMS"] = self.stepped.new_zeros(())
+
+    def partials(self, ids, grads, state, h):
+        grad = self._counted_gradient(ids, grads, state, "exp_avg")
+        sq = (grad * grad + h["eps"][0]).double()
+        self._grad = grad
+        return torch.cat([square_norm(self.stepped)[None], self.at_offsets(sq.sum(1), sq.sum(0))])
+
+    def between(self, stats):
+        h, state = self.group.param_group, self._optimizer.state[self.stepped]
+        beta2 = h["betas"][1]
+        rows, cols = self.geometry.table_shape
+        state["RMS"] = (stats[0] / (rows * cols)).sqrt().to(self.stepped.dtype)
+        sq_row, sq_col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+        sq_row.mul_(beta2).add_((stats[1 : 1 + rows] / cols).to(sq_row.dtype), alpha=1.0 - beta2)
+        sq_col.mul_(beta2).add_((stats[1 + rows :] / rows).to(sq_col.dtype), alpha=1.0 - beta2)
+        self._update = self.local_block((sq_row / sq_row.mean()).rsqrt_(), sq_col.rsqrt()).mul_(self._grad)
+        self._grad = None
+        m_old, u = state["exp_avg"].double(), self._update.double()
+        sums = torch.stack([u * u, u * m_old, m_old * m_old])  # (3, rows, cols) of this shard
+        return torch.cat([(u * u).sum()[None], self.at_offsets(sums.sum(2), sums.sum(1)).flatten()])
+
+    def finish(self, stats):
+        h, state = self.group.param_group, self._optimizer.state[self.stepped]
+        (beta1, _, beta3), (_, eps2) = h["betas"], h["eps"]
+        rows, cols = self.geometry.table_shape
+        clip = 1.0 / max((float(stats[0]) / (rows * cols)) ** 0.5 / h["clip_threshold"], 1.0)
+        u2, um, m2 = stats[1:].view(3, rows + cols)
+        residual = beta1**2 * (clip * clip * u2 - 2 * clip * um + m2)  # sums of (u - m)^2, per row then column
+        update = self._update.mul_(clip)
+        self._update = None
+        exp_avg = state["exp_avg"]
+        exp_avg.mul_(beta1).add_(update, alpha=1 - beta1)
+        res_row, res_col = state["exp_avg_res_row"], state["exp_avg_res_col"]
+        res_row.mul_(beta3).add_((residual[:rows] / cols + eps2).to(res_row.dtype), alpha=1.0 - beta3)
+        res_col.mul_(beta3).add_((residual[rows:] / rows + eps2).to(res_col.dtype), alpha=1.0 - beta3)
+        step = self.local_block((res_row / res_row.mean()).rsqrt_(), res_col.rsqrt()) * exp_avg
+        if h["weight_decay"] != 0:
+            self.stepped.add_(self.stepped, alpha=-h["weight_decay"] * h["lr"])
+        self.stepped.add_(-(step * h["lr"]))
 
 
 class CameVector(CrossShardOptimizer):

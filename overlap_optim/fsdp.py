@@ -231,7 +231,7 @@ def _check_parameters(recorded: dict, custom_placement: bool, shards: int) -> No
             raise ValueError(
                 f"parameter {name!r} (shape {tuple(param.shape)}) is placed {tuple(param.placements)} already (tensor "
                 f"parallelism), and fully_shard would split its rows too, over {shards} ranks: {spec.name}'s "
-                "cross-shard form splits one axis; LAMB, LARS, Muon and Adafactor step a matrix split along "
+                "cross-shard form splits one axis; LAMB, LARS, Muon, Adafactor and CAME step a matrix split along "
                 "both. Annotate it with one of those, or an element-wise optimizer, or keep it out of fully_shard"
             )
         if _elementwise_on_dim0(spec, param, custom_placement):

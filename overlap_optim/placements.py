@@ -14,7 +14,8 @@ piece steps where it lies:
   rank's piece in backward, the whole-tensor statistics summed over the ranks whose pieces make the
   whole (one all-reduce per round phase), then the second half (:class:`PieceStep`). Muon's
   statistic is the whole matrix: a gather. A matrix split along both dims takes the forms whose
-  statistics are whole-tensor sums or the matrix (LAMB, LARS, Muon), and Adafactor's in two rounds.
+  statistics are whole-tensor sums or the matrix (LAMB, LARS, Muon), and Adafactor's and CAME's in two
+  rounds.
 
 :func:`refusal` says, before anything is changed, why a placement cannot be stepped exactly.
 """
@@ -118,7 +119,7 @@ def refusal(spec: OptimizerSpec, param: torch.Tensor) -> str | None:
         return None
     if len(pieces.dims) > 1 and implementation.on_both_axes() is None:
         return (f"it is split along both its rows and its columns, and {spec.name}'s cross-shard form splits one "
-                "axis; LAMB, LARS, Muon and Adafactor step such a matrix")
+                "axis")
     return implementation.unsupported(spec, pieces.geometry.axis)
 
 

@@ -217,25 +217,6 @@ def two_dimensional(rank, world_size, name, layout, shape, steps=3, statistics=T
     return {"diffs": diffs, "moved": _moved(reference, start)}
 
 
-def refused_two_splits(rank, world_size, name):
-    """dp x tp on a 2 x 2 mesh with ``name`` on the weights: the error, and how many FSDP modules the
-    model has after it (none: refused before torch's fully_shard ran)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    cls, kwargs = _setting(name)
-    model = mlp()
-    overlap_optim.apply_optimizer_in_backward(cls, [model.fc1.weight, model.fc2.weight], kwargs)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    parallelize_module(model, mesh["tp"], PLAN)
-    try:
-        overlap_optim.fully_shard(model, mesh=mesh["dp"])
-    except ValueError as err:
-        error = str(err)
-    else:
-        error = None
-    return {"error": error, "fsdp_modules": sum(isinstance(m, FSDPModule) for m in model.modules())}
-
-
 def dmp_with_tp(rank, world_size, steps=3):
     """TorchRec's DMP with tables sharded by our sharder (fused Adagrad table_wise, fallback Adam
     row_wise, data-parallel SGD) and the MLP tensor-parallel over the "tp" dimension of a (dp 1,
@@ -313,3 +294,22 @@ def torch_fully_shard_2d(rank, world_size):
         error = str(err)
     overlap_optim.fully_shard(ours, mesh=mesh)
     return {"error": error, "keys": sorted(overlap_optim.get_optimizers(ours).params)}
+
+
+def refused_two_splits(rank, world_size, name):
+    """dp x tp on a 2 x 2 mesh with ``name`` on the weights: the error, and how many FSDP modules the
+    model has after it (none: refused before torch's fully_shard ran)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls, kwargs = _setting(name)
+    model = mlp()
+    overlap_optim.apply_optimizer_in_backward(cls, [model.fc1.weight, model.fc2.weight], kwargs)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], PLAN)
+    try:
+        overlap_optim.fully_shard(model, mesh=mesh["dp"])
+    except ValueError as err:
+        error = str(err)
+    else:
+        error = None
+    return {"error": error, "fsdp_modules": sum(isinstance(m, FSDPModule) for m in model.modules())}
