@@ -68,6 +68,10 @@ def _setting(name: str) -> tuple:
 
     simple = {"adam": (torch.optim.Adam, {"lr": 0.05}), "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
               "rprop": (torch.optim.Rprop, {"lr": 0.01}), "rowwise_adagrad": (RowWiseAdagrad, {"lr": 0.1})}
+    if name == "lion":  # a third-party element-wise optimizer, with no virtual group
+        from pytorch_optimizer import Lion
+
+        return Lion, {"lr": 0.01, "weight_decay": 0.01}
     return simple[name] if name in simple else LAYERWISE[name]
 
 

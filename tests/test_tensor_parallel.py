@@ -20,8 +20,8 @@ from overlap_optim.testing import run_cases
 import _tp_bodies as bodies
 
 # Rprop: element-wise, no virtual group (its own step on a DTensor crashed: masked assignment has no
-# DTensor rule); RowWiseAdagrad: separable by rows only (its column form on fc2's Shard(1) weight).
-SETTINGS = ("adam", "sgd", "rprop", "adafactor", "came", "lamb", "lars", "muon", "rowwise_adagrad")
+# DTensor rule); Lion (pytorch-optimizer): third-party, element-wise, no virtual group; RowWiseAdagrad: separable by rows only (its column form on fc2's Shard(1) weight).
+SETTINGS = ("adam", "sgd", "rprop", "lion", "adafactor", "came", "lamb", "lars", "muon", "rowwise_adagrad")
 BIASES = {"muon": "adam", "rowwise_adagrad": "adam"}  # the biases' optimizer where the weights' steps no vector
 ORDERS = ("after", "before")
 CLIPPED = ("adam", "adafactor", "muon")
