@@ -17,18 +17,16 @@ from typing import Any
 import torch
 
 from overlap_optim import _private, meta_params, placements
+from overlap_optim.lost import note_lost
 from overlap_optim.clipping import GradientClipping, clipping_of, join_clipping, taken_by
-from overlap_optim.record import (
-    annotate, contract_of, group_of, module_record, module_record_of, record, record_of, set_live_optimizers,
-)
+from overlap_optim.record import annotate, contract_of, group_of, record, record_of, set_live_optimizers
 from overlap_optim.spec import AnnotationGroup, OptimizerSpec, describe_optimizer, needs_closure
 from overlap_optim.state_precision import check_state_dtype
 from overlap_optim.update import live_optimizer, step_when_ready
 
 __all__ = [
     "apply_optimizer_in_backward", "materialize", "record_annotations", "reattach_annotations", "AnnotationGroup",
-    "needs_closure", "annotation_of_fsdp_uid", "replace_step_hook", "carry_over", "refuse_lost_meta_annotations",
-    "refuse_lost_registrations",
+    "needs_closure", "replace_step_hook", "carry_over",
 ]
 
 # Constructor arguments that are not settings a user may pass as kwargs.
@@ -196,7 +194,7 @@ def _registered(module: torch.nn.Module, name: str, param: torch.Tensor | None) 
         return
     label = f"{type(module).__name__}.{name}"
     if param is None or (old.shape, old.dtype) != (param.shape, param.dtype):
-        _lost(module, name, f"{tuple(old.shape)} {old.dtype} ({group.spec.name if group else 'clipped'})")
+        note_lost(module, name, f"{tuple(old.shape)} {old.dtype} ({group.spec.name if group else 'clipped'})")
         return
     if group is not None:
         _refuse_placement(group.spec, param, label)
@@ -205,40 +203,6 @@ def _registered(module: torch.nn.Module, name: str, param: torch.Tensor | None) 
 
 
 _CARRY_HOOK = torch.nn.modules.module.register_module_parameter_registration_hook(_registered)
-
-
-def _lost(module: torch.nn.Module, name: str, what: str) -> None:
-    """``module.name``, annotated as ``what``, was replaced by a parameter of another shape or dtype:
-    refused from the module's next forward (and by ``get_optimizers``) until it is annotated."""
-    found = module_record(module)
-    if not found.lost:
-        module.register_forward_pre_hook(_refuse_lost_registration)
-    found.lost[name] = what
-
-
-def _refuse_lost_registration(module: torch.nn.Module, *args: Any) -> None:
-    refuse_lost_registrations(module)
-
-
-def refuse_lost_registrations(model: torch.nn.Module) -> None:
-    """Raise, naming it, for a parameter of ``model`` registered in place of an annotated one whose
-    annotation it could not take (another shape or dtype), and not annotated since: it would train
-    nothing. A name annotated again, or gone, is forgotten."""
-    for path, sub in model.named_modules():
-        found = module_record_of(sub)
-        if found is None or not found.lost:
-            continue
-        for name, what in list(found.lost.items()):
-            now = _private.module_parameters(sub).get(name)
-            if now is None or group_of(now) is not None or not now.requires_grad:
-                del found.lost[name]
-                continue
-            fqn = f"{path}.{name}" if path else name
-            raise ValueError(
-                f"{fqn!r} was annotated ({what}) and replaced by a parameter of shape {tuple(now.shape)} {now.dtype}, "
-                "which cannot take that annotation: it would train nothing. Annotate the new parameter with "
-                "apply_optimizer_in_backward"
-            )
 
 
 def _refuse_placement(spec: OptimizerSpec, param: torch.Tensor, label: str) -> None:
@@ -273,29 +237,6 @@ def carry_over(module: torch.nn.Module) -> list[str]:
         if now is not None:
             done += reattach_annotations(module, {fqn: (old, group_of(old), clipping_of(old))})
     return done
-
-
-def refuse_lost_meta_annotations(module: torch.nn.Module, name: Callable[[str], str] = str) -> None:
-    """Raise, naming it, for a parameter of ``module`` that replaced an annotated (or clipped) meta
-    parameter and carries neither: where :func:`carry_over` came too late (a DDP that is not
-    ours may hold it already)."""
-    for fqn, old, now in meta_params.replaced(module, forget=False):
-        if now is not None and group_of(now) is None and clipping_of(now) is None:
-            group = group_of(old)
-            carried = group.spec.name if group else "a gradient clipping set"
-            raise ValueError(
-                f"{name(fqn)!r} was annotated on the meta device ({carried}) "
-                "and replaced since by a parameter without its annotation (Module.to_empty, or TorchRec's "
-                "init_parameters under a data_parallel_wrapper that is not overlap_optim's): it would train "
-                "nothing. Use overlap_optim.materialize(model, device) in place of to_empty, or "
-                "sharders.DataParallelWrapper()"
-            )
-
-
-def annotation_of_fsdp_uid(uid: int) -> str | None:
-    """What the parameter that FSDP2 knows as ``uid`` (as :func:`~overlap_optim._private.fsdp_taken`
-    gives it) was annotated with (shape and optimizer), if it was annotated; it may be gone since."""
-    return _private.fsdp_uid_label(uid)
 
 
 def replace_step_hook(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:

@@ -21,8 +21,7 @@ gather). Those on other shapes (Muon on a vector, which torch's Muon refuses as
 well), and optimizers with no cross-shard form, are refused, naming the parameter.
 
 Calling torch's own ``fully_shard`` on annotated parameters would leave them
-untrained with no error; :func:`refuse_lost_annotations` (run by
-``get_optimizers``) refuses that model.
+untrained with no error; :mod:`overlap_optim.lost` refuses that model.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from overlap_optim import _private
 from overlap_optim.accumulation import window_of_params
 from overlap_optim.annotation import (
-    annotation_of_fsdp_uid, carry_over, reattach_annotations, record_annotations, replace_step_hook,
+    carry_over, reattach_annotations, record_annotations, replace_step_hook,
 )
 from overlap_optim.clipping import clipping_of
 from overlap_optim.cross_shard import cross_shard_class
@@ -50,7 +49,7 @@ from overlap_optim.placements import PieceStep, needs_piece_step, pieces_of
 from overlap_optim.round import EndOfBackwardRound, Phase
 from overlap_optim.update import step_params
 
-__all__ = ["fully_shard", "refuse_lost_annotations", "GroupStep"]
+__all__ = ["fully_shard", "GroupStep"]
 
 
 def fully_shard(module: nn.Module, *, mesh: Any = None, **kwargs: Any) -> nn.Module:
@@ -161,21 +160,6 @@ class GroupStep:
 
 def _step_alone(param: torch.Tensor) -> None:
     step_params([param])
-
-
-def refuse_lost_annotations(model: nn.Module) -> None:
-    """Raise if torch's own ``fully_shard`` replaced annotated parameters of ``model``:
-    their optimizers would never run, and nothing would say so."""
-    lost = [annotation_of_fsdp_uid(uid) for m in model.modules() if isinstance(m, FSDPModule)
-            for uid, sharded in _private.fsdp_taken(m)
-            if annotation_of_fsdp_uid(uid) is not None and group_of(sharded) is None]
-    if lost:
-        raise RuntimeError(
-            f"{len(lost)} annotated parameter(s) of shape {', '.join(lost[:5])} were sharded by torch's "
-            "fully_shard, which replaced them with new parameters and left their in-backward optimizers "
-            "behind: nothing would train them. Shard the annotated module with "
-            "overlap_optim.fully_shard(module, mesh=mesh) instead"
-        )
 
 
 def _managed(module: nn.Module) -> list[torch.Tensor]:

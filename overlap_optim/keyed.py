@@ -22,8 +22,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from overlap_optim import _private, _state_schema, plans
 from overlap_optim._private import ShardedTensor
 from overlap_optim.accumulation import StepTracker, track_steps
-from overlap_optim.annotation import refuse_lost_meta_annotations, refuse_lost_registrations
-from overlap_optim.fsdp import refuse_lost_annotations
+from overlap_optim.lost import refuse_lost
 from overlap_optim.record import group_of, module_record
 from overlap_optim.spec import AnnotationGroup
 from overlap_optim.update import (
@@ -463,10 +462,8 @@ def get_optimizers(model: torch.nn.Module) -> KeyedOptimizer:
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"get_optimizers takes an nn.Module, got {type(model).__name__}")
-    refuse_lost_annotations(model)
-    refuse_lost_registrations(model)
     prefixes = ddp_prefixes(model)
-    refuse_lost_meta_annotations(model, lambda fqn: unwrapped_name(unwrapped_path(fqn), prefixes))
+    refuse_lost(model, lambda fqn: unwrapped_name(unwrapped_path(fqn), prefixes))
     tables, foreign, annotated, bare = _discover(model)
     if bare and module_record(model).warned_bare != sorted(bare):
         module_record(model).warned_bare = sorted(bare)  # once per model and set of parameters
