@@ -29,8 +29,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when OpenMP starts: 
 import torch  # noqa: E402
 
 from benchmarks import (  # noqa: E402
-    accumulation, clipping, dense_hook, ec_vs_torchrec, fallback, fsdp, layerwise, limit, local_sgd, many_tables,
-    precision, round_phases,
+    accumulation, clipping, dense_hook, ec_vs_torchrec, fallback, fsdp, layerwise, limit, local_sgd, lost,
+    many_tables, precision, round_phases,
     scaling, sparse_vs_torchrec, tensor_parallel, virtual_groups,
 )
 
@@ -52,6 +52,7 @@ MODULES = {
     "precision": precision,
     "many_tables": many_tables,
     "tensor_parallel": tensor_parallel,
+    "lost": lost,
 }
 FULL_COMMAND = ".venv/bin/python -m benchmarks.run --out benchmarks/results --docs docs/benchmarks.md"
 QUICK_COMMAND = ".venv/bin/python -m benchmarks.run --quick --out /tmp/bench"
@@ -60,6 +61,12 @@ REPORT_COMMAND = FULL_COMMAND + " --report-only"
 # What each benchmark's numbers mean, and why a missed target is missed: one short paragraph each
 # (shown under the benchmark's heading). Past runs live in git history and results.json.
 NOTES = {
+    "lost": (
+        "The cost every process that annotates pays so that torch's own `fully_shard` is refused at its first "
+        "forward, not left to train nothing: a global forward pre-hook takes each module call off "
+        "`Module.__call__`'s fast path. It is a fixed cost per module call, so it shows against modules that "
+        "do almost nothing (`tiny`) and vanishes against real layers (`tower`)."
+    ),
     "many_tables": (
         "Both peers run FBGEMM's lookup and TorchRec's collectives with the same kernels; ours steps them with "
         "our compiled backward, and checks live settings once per annotation group, only when they change. "

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from overlap_optim import _private, meta_params, placements
-from overlap_optim.lost import note_lost
+from overlap_optim.lost import note_lost, watch_fully_shard
 from overlap_optim.clipping import GradientClipping, clipping_of, join_clipping, taken_by
 from overlap_optim.record import annotate, contract_of, group_of, record, record_of, set_live_optimizers
 from overlap_optim.spec import AnnotationGroup, OptimizerSpec, describe_optimizer, needs_closure
@@ -257,6 +257,7 @@ def _annotate(param: torch.Tensor, group: AnnotationGroup) -> None:
         and _same_kwargs(old.optimizer_kwargs, group.optimizer_kwargs)
     )
     _remove_hooks(param)
+    watch_fully_shard()
     annotate(param, group, keep_optimizers=keep_state)
     group.param_group["params"].append(param)
     # On FSDP2's id of it, which FSDP2 keeps on the module: it outlives a Parameter object that torch's

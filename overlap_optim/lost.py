@@ -12,13 +12,16 @@ are refused here, naming the parameter, before any step:
 - ``Module.to_empty`` (or TorchRec's ``init_parameters``) too late for
   :func:`~overlap_optim.annotation.carry_over`;
 - torch's own ``fully_shard``, which writes its sharded parameters past torch's
-  registration hooks.
+  registration hooks: from the first forward of the FSDP module that holds them
+  (:func:`watch_fully_shard`), so that a loop that never calls ``get_optimizers``
+  is refused too.
 
 ``get_optimizers`` runs all three (:func:`refuse_lost`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +33,7 @@ from overlap_optim.clipping import clipping_of
 from overlap_optim.record import group_of, module_record, module_record_of
 
 __all__ = [
-    "note_lost", "refuse_lost", "refuse_lost_registrations", "refuse_lost_meta_annotations",
+    "note_lost", "watch_fully_shard", "refuse_lost", "refuse_lost_registrations", "refuse_lost_meta_annotations",
     "refuse_lost_to_fsdp",
 ]
 
@@ -115,3 +118,24 @@ def refuse_lost_to_fsdp(model: torch.nn.Module) -> None:
             "overlap_optim.fully_shard(module, mesh=mesh) instead"
         )
 
+
+@functools.cache
+def watch_fully_shard() -> torch.utils.hooks.RemovableHandle:
+    """From now on, refuse (:func:`refuse_lost_to_fsdp`) at the first forward of each FSDP module the
+    annotated parameters torch's own ``fully_shard`` took from it, before FSDP2 runs anything; once
+    per FSDP module. Called at the first annotation; later calls do nothing.
+
+    FSDP2 has no hook of its own to tell, so this is torch's global forward pre-hook: it costs every
+    module call of the process (``benchmarks/lost.py`` measures it), one ``isinstance`` once the
+    FSDP modules are checked.
+    """
+    return torch.nn.modules.module.register_module_forward_pre_hook(_check_fsdp_module)
+
+
+def _check_fsdp_module(module: torch.nn.Module, args: Any) -> None:
+    if not isinstance(module, FSDPModule) or module_record(module).fsdp_checked:
+        return
+    refuse_lost_to_fsdp(module)
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            module_record(sub).fsdp_checked = True

@@ -59,6 +59,7 @@ class ModuleRecord:
     meta_params: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # meta_params' record
     # name -> the annotation of a parameter that a registration replaced by one it cannot carry to (annotation)
     lost: dict[str, str] = dataclasses.field(default_factory=dict)
+    fsdp_checked: bool = False  # lost.watch_fully_shard checked this FSDP module's parameters
     held_backward: Any = None  # sharders.fused_backward's hold on a fused kernel module
     keyed_optimizers: Any = None  # keyed's optimizers checked before a forward
     window: Any = None  # accumulation.Window: of a model (window_of), or of the model of a sharded module

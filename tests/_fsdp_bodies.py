@@ -139,12 +139,29 @@ def torch_fully_shard(rank, world_size):
     fully_shard(theirs, mesh=mesh)
     overlap_optim.fully_shard(ours, mesh=mesh)
     gc.collect()  # the replaced parameters and their annotation group are garbage: the check must not need them
-    found = {"ours": sorted(overlap_optim.get_optimizers(ours).params), "theirs": ""}
+    x = torch.randn(4, 6)
+    found = {"ours": sorted(overlap_optim.get_optimizers(ours).params), "theirs": "",
+             "loop": loop_without_get_optimizers(theirs, x), "ours_loop": loop_without_get_optimizers(ours, x)}
     try:
         overlap_optim.get_optimizers(theirs)
     except RuntimeError as error:
         found["theirs"] = str(error)
     return found
+
+
+def loop_without_get_optimizers(model: nn.Module, x: torch.Tensor) -> dict:
+    """Two steps of a loop that never calls ``get_optimizers``: the error of each, and whether any
+    parameter of ``model`` changed."""
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    errors = []
+    for _ in range(2):
+        try:
+            model(x).square().sum().backward()
+            errors.append(None)
+        except RuntimeError as err:
+            errors.append(str(err))
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])]
+    return {"errors": errors, "changed": changed}
 
 
 def accumulated(rank, world_size, steps=3, micro=3, weights=(torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1})):

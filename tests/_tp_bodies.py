@@ -18,6 +18,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import overlap_optim
 from overlap_optim.record import record_of
 
+from _fsdp_bodies import loop_without_get_optimizers
+
 PLAN = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
 
 
@@ -291,13 +293,15 @@ def torch_fully_shard_2d(rank, world_size):
         overlap_optim.apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 0.05})
     fully_shard(theirs.fc1, mesh=mesh)
     fully_shard(theirs, mesh=mesh)
+    loop = loop_without_get_optimizers(theirs, _batch(0)[0])
     try:
         overlap_optim.get_optimizers(theirs)
         error = None
     except RuntimeError as err:
         error = str(err)
     overlap_optim.fully_shard(ours, mesh=mesh)
-    return {"error": error, "keys": sorted(overlap_optim.get_optimizers(ours).params)}
+    return {"error": error, "keys": sorted(overlap_optim.get_optimizers(ours).params), "loop": loop}
+
 
 
 def refused_two_splits(rank, world_size, name):

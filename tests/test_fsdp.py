@@ -169,7 +169,13 @@ def test_no_step_accumulates_unsharded_and_steps_once_on_the_sum(ranks, case):
 def test_annotated_parameters_sharded_by_torch_are_refused(ranks, case):
     for out in ranks[case]:
         assert "overlap_optim.fully_shard" in out["theirs"] and "6 annotated parameter(s)" in out["theirs"], out
+        assert "'0.weight' (5, 6) (Adam)" in out["theirs"], out
         assert len(out["ours"]) == 6, out
+        # a loop that never calls get_optimizers: refused at each forward, nothing changed
+        errors, changed = out["loop"]["errors"], out["loop"]["changed"]
+        assert all(e is not None and "6 annotated parameter(s)" in e for e in errors) and changed == [], out
+        # overlap_optim.fully_shard's model trains in that loop
+        assert out["ours_loop"]["errors"] == [None, None] and len(out["ours_loop"]["changed"]) == 6, out
 
 
 @pytest.mark.parametrize("case", [f"checkpoint/{w}" for w in CHECKPOINTS])

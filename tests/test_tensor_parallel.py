@@ -168,10 +168,16 @@ def test_a_checkpoint_of_placed_state_resumes_exactly(results, name):
 
 def test_torch_fully_shard_on_a_2d_mesh_is_refused_with_advice_that_works(results):
     """torch's own ``fully_shard`` over a (replicate, shard) mesh leaves the annotations behind:
-    ``get_optimizers`` refuses it, advising ``overlap_optim.fully_shard``, which takes that mesh."""
+    ``get_optimizers`` and the first forward refuse it, advising ``overlap_optim.fully_shard``, which
+    takes that mesh."""
     for rank in results["torch-fully-shard-2d"]:
         assert rank["error"] is not None and "overlap_optim.fully_shard(module, mesh=mesh)" in rank["error"], rank
         assert rank["keys"] == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+        # A loop that never calls get_optimizers: refused at the first forward of each step, naming the
+        # parameters, with nothing changed (it trained nothing, silently, before).
+        loop = rank["loop"]
+        assert all(e is not None and "'fc1.weight' (8, 6) (Adam)" in e for e in loop["errors"]), loop
+        assert loop["changed"] == [], loop
 
 
 def test_a_form_that_splits_one_axis_on_a_matrix_split_along_both_is_refused(four_ranks):
