@@ -4,8 +4,8 @@ tensor split across ranks.
 
 :data:`CROSS_SHARD` is a plain dict ``optimizer class -> implementation`` for matrices,
 :data:`CROSS_SHARD_VECTOR` the same for vectors (Muon, as torch's, steps matrices only).
-Classes from optional packages (pytorch-optimizer's ``Lamb`` and ``LARS``, came-pytorch's
-``CAME``) are found only once the user's code has imported that package; the core imports
+Classes from optional packages (pytorch-optimizer's ``Lamb``, ``LARS`` and ``GaLore``,
+came-pytorch's ``CAME``) are found only once the user's code has imported that package; the core imports
 none of them. :func:`cross_shard_class` answers for both; a class it has no form for stays
 refused on a split tensor.
 """
@@ -21,6 +21,7 @@ from overlap_optim.cross_shard_adafactor import AdafactorTable, AdafactorVector
 from overlap_optim.cross_shard_adagrad import RowWiseAdagradTable
 from overlap_optim.cross_shard_base import CrossShardOptimizer
 from overlap_optim.cross_shard_came import CameTable, CameVector
+from overlap_optim.cross_shard_galore import GaLoreTable
 from overlap_optim.cross_shard_lamb import LambTable, LarsTable
 from overlap_optim.cross_shard_muon import MuonTable
 
@@ -37,6 +38,7 @@ _OPTIONAL = {  # (package, class name) -> (matrix form, vector form)
     ("pytorch_optimizer", "Lamb"): (LambTable, LambTable),
     ("pytorch_optimizer", "LARS"): (LarsTable, LarsTable),
     ("came_pytorch", "CAME"): (CameTable, CameVector),
+    ("pytorch_optimizer", "GaLore"): (GaLoreTable, None),  # on a vector, GaLore is Adam: element-wise
 }
 
 

@@ -24,7 +24,8 @@ rank that holds an empty shard included: it contributes zeros for what it does n
 :class:`Geometry` says where a shard sits, :func:`sharded_state_layouts` which state entries
 are sharded as the weight; :func:`nbytes` and :func:`square_norm` serve the forms' byte
 counts and norms. Each optimizer's form has its own file (``cross_shard_adafactor``,
-``cross_shard_came``, ``cross_shard_lamb``, ``cross_shard_muon``, ``cross_shard_adagrad``),
+``cross_shard_came``, ``cross_shard_lamb``, ``cross_shard_muon``, ``cross_shard_galore``,
+``cross_shard_adagrad``),
 and :mod:`overlap_optim.cross_shard` maps optimizer classes to them; ``sharders.cross_shard``
 builds them for table shards, :mod:`overlap_optim.fsdp` for FSDP2's parameter shards.
 """
@@ -41,7 +42,7 @@ from overlap_optim.round import EndOfBackwardRound, Phase
 from overlap_optim.spec import AnnotationGroup, OptimizerSpec
 from overlap_optim.table_optimizer import DenseTableOptimizer, copy_bytes, math_dtype
 
-__all__ = ["CrossShardOptimizer", "BlockForm", "Geometry", "sharded_state_layouts", "nbytes", "square_norm"]
+__all__ = ["CrossShardOptimizer", "BlockForm", "GatherForm", "Geometry", "sharded_state_layouts", "nbytes", "square_norm"]
 
 _VECTOR_PROBE = 7  # elements of the stand-in vector whose state shapes say which entries are per element
 
@@ -243,6 +244,31 @@ class CrossShardOptimizer(DenseTableOptimizer):
     def _refuse(self, what: str) -> None:
         raise ValueError(f"table {self.name!r}: {self.group.spec.name} with {what} has no cross-shard form yet; "
                          "use table_wise or data_parallel for this table")
+
+
+class GatherForm(CrossShardOptimizer):
+    """A form whose statistic is the whole matrix (Muon's update, GaLore's gradient): each shard writes
+    its block at its offsets and zeros elsewhere (:meth:`gathered`), and the round's sum is the whole
+    matrix on every rank: a gather, exact (each element is one shard's value plus zeros), at twice an
+    all-gather's traffic and in float64. Any split works, both axes at once included."""
+
+    splits_both_axes = True
+
+    @classmethod
+    def slot_size(cls, geometry):
+        rows, cols = geometry.table_shape
+        return rows * cols
+
+    def gathered(self, block: torch.Tensor) -> torch.Tensor:
+        """A zero matrix the whole table's shape, ``block`` (this shard's) at its offsets."""
+        whole = block.new_zeros(self.geometry.table_shape)
+        self.own_block(whole).copy_(block)
+        return whole
+
+    def own_block(self, whole: torch.Tensor) -> torch.Tensor:
+        """This shard's block of a tensor shaped as the whole table (a view)."""
+        (row, col), (rows, cols) = self.geometry.offsets, self.stepped.shape
+        return whole[row : row + rows, col : col + cols]
 
 
 class BlockForm(CrossShardOptimizer):

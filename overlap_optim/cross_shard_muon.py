@@ -14,13 +14,13 @@ from __future__ import annotations
 import torch
 
 from overlap_optim import _private
-from overlap_optim.cross_shard_base import CrossShardOptimizer, nbytes
+from overlap_optim.cross_shard_base import GatherForm, nbytes
 from overlap_optim.round import EndOfBackwardRound
 
 __all__ = ["MuonTable"]
 
 
-class MuonTable(CrossShardOptimizer):
+class MuonTable(GatherForm):
     """``torch.optim.Muon``: momentum on each shard, then Newton-Schulz on the whole matrix.
 
     No statistic short of the matrix itself will do for the orthogonalisation, so the
@@ -31,14 +31,6 @@ class MuonTable(CrossShardOptimizer):
     rank computes the whole orthogonalisation; its cost and the gather's are measured in
     ``benchmarks/fsdp.py``.
     """
-
-    splits_both_axes = True  # the matrix
-
-
-    @classmethod
-    def slot_size(cls, geometry):
-        rows, cols = geometry.table_shape
-        return rows * cols
 
     @classmethod
     def _math_bytes(cls, geometry, shard_shape, dtype):
@@ -60,9 +52,7 @@ class MuonTable(CrossShardOptimizer):
         buffer = state["momentum_buffer"]
         buffer.lerp_(grad, 1 - h["momentum"])
         update = grad.lerp(buffer, h["momentum"]) if h["nesterov"] else buffer
-        whole = update.new_zeros(self.geometry.table_shape)
-        self._block(whole).copy_(update)
-        return whole
+        return self.gathered(update)
 
     def complete(self, stats):
         h, shape = self.group.param_group, self.geometry.table_shape
@@ -70,9 +60,4 @@ class MuonTable(CrossShardOptimizer):
         ortho = _private.muon_orthogonalized(whole, h["ns_coefficients"], h["ns_steps"], h["eps"])
         self.stepped.mul_(1 - h["lr"] * h["weight_decay"])
         lr = _private.muon_adjusted_lr(h["lr"], h["adjust_lr_fn"], torch.Size(shape))
-        self.stepped.add_(self._block(ortho), alpha=-lr)
-
-    def _block(self, whole: torch.Tensor) -> torch.Tensor:
-        """This shard's block of a table-shaped tensor."""
-        (row, col), (rows, cols) = self.geometry.offsets, self.stepped.shape
-        return whole[row : row + rows, col : col + cols]
+        self.stepped.add_(self.own_block(ortho), alpha=-lr)

@@ -12,12 +12,12 @@ virtual group, as a DDP bucket's.
 
 An optimizer steps a shard exactly as it would step those rows of the whole
 parameter only if it is separable along dim 0 (``OptimizerSpec.row_separable``;
-element-wise along a 1-D parameter). Layer-wise optimizers (Adafactor, LAMB,
-LARS, CAME, Muon) are not; on 2-D parameters, and all but Muon on 1-D ones (biases),
-they step across FSDP's shards with the core's cross-shard form
-(:mod:`overlap_optim.placements`): one all-reduce of
-whole-tensor statistics per step for all of them (Muon's is the whole matrix: a
-gather). Those on other shapes (Muon on a vector, which torch's Muon refuses as
+element-wise along a 1-D parameter, ``OptimizerSpec.vector_separable``). Layer-wise
+optimizers (Adafactor, LAMB, LARS, CAME, Muon, GaLore) are not; on 2-D parameters, and
+Adafactor, LAMB, LARS and CAME on 1-D ones (biases), they step across FSDP's shards
+with the core's cross-shard form (:mod:`overlap_optim.placements`): one all-reduce of
+whole-tensor statistics per step for all of them (Muon's and GaLore's is the whole
+matrix: a gather). Those on other shapes (Muon on a vector, which torch's Muon refuses as
 well), and optimizers with no cross-shard form, are refused, naming the parameter.
 
 Calling torch's own ``fully_shard`` on annotated parameters would leave them
@@ -78,7 +78,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, **kwargs: Any) -> nn.Mod
             parameters or gradients to another dtype), or an annotated parameter whose
             optimizer is not separable along the sharded dim and has no cross-shard form
             for its shape (Adafactor, CAME, LAMB and LARS step 1-D and 2-D parameters
-            across shards, Muon 2-D ones); each named.
+            across shards, Muon and GaLore 2-D ones); each named.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__name__}")
@@ -215,8 +215,8 @@ def _check_parameters(recorded: dict, custom_placement: bool, shards: int) -> No
             raise ValueError(
                 f"parameter {name!r} (shape {tuple(param.shape)}) is placed {tuple(param.placements)} already (tensor "
                 f"parallelism), and fully_shard would split its rows too, over {shards} ranks: {spec.name}'s "
-                "cross-shard form splits one axis; LAMB, LARS, Muon, Adafactor and CAME step a matrix split along "
-                "both. Annotate it with one of those, or an element-wise optimizer, or keep it out of fully_shard"
+                "cross-shard form splits one axis; LAMB, LARS, Muon, GaLore, Adafactor and CAME step a matrix split "
+                "along both. Annotate it with one of those, or an element-wise optimizer, or keep it out of fully_shard"
             )
         if _elementwise_on_dim0(spec, param, custom_placement):
             continue
@@ -238,5 +238,7 @@ def _cross_shard_shapes(spec: Any) -> str:
 
 def _elementwise_on_dim0(spec: Any, param: torch.Tensor, custom_placement: bool) -> bool:
     """Whether ``spec`` steps a dim-0 shard of ``param`` as it steps those rows of the whole."""
+    if param.dim() == 1:
+        return spec.vector_separable
     return (spec.row_separable and spec.column_separable) or (
         spec.row_separable and param.dim() >= 2 and not custom_placement)

@@ -87,8 +87,10 @@ def exact_on_pieces(spec: OptimizerSpec, ndim: int, dims: frozenset[int]) -> boo
     """Whether ``spec`` steps each piece of a tensor of ``ndim`` dims split along ``dims`` as it
     steps those elements of the whole: by rows (dim 0, any tensor of 2 dims or more) or a matrix by
     columns (1) where its update is separable that way; a vector, or another split, only under an
-    element-wise update."""
+    element-wise update (probed on a vector for a vector: :attr:`OptimizerSpec.vector_separable`)."""
     def separable(dim: int) -> bool:
+        if ndim == 1:
+            return spec.vector_separable
         if ndim >= 2 and dim == 0:
             return spec.row_separable
         if ndim == 2 and dim == 1:
@@ -132,7 +134,7 @@ def needs_statistics(spec: OptimizerSpec, param: DTensor) -> bool:
         return False  # element-wise: each piece steps alone, however it is placed
     pieces = pieces_of(param)
     if pieces is None:
-        return not (spec.row_separable or spec.column_separable)
+        return not (spec.vector_separable if param.dim() == 1 else spec.row_separable or spec.column_separable)
     return not exact_on_pieces(spec, param.dim(), pieces.dims)
 
 

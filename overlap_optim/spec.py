@@ -16,6 +16,7 @@ small stand-ins (probes), never by a list of known classes. So a third-party
 - ``row_separable`` / ``column_separable``: whether stepping a matrix in row
   (column) pieces, each with its own optimizer, gives the whole-matrix result.
   Probed by three steps on a random matrix, whole and in two pieces;
+  ``vector_separable`` likewise on a vector (GaLore projects matrices only);
 - ``group_state``: anything ``step()`` writes into its param group
   (pytorch-optimizer's LAMB, LARS and GaLore count steps there). It is kept per
   tensor, in the tensor's state under the same name (:meth:`OptimizerSpec.step`
@@ -102,6 +103,12 @@ class OptimizerSpec:
         layouts = {e.layout for e in (self.state or {}).values()}
         return (self.state is not None and _separable(self.optimizer_class, self.kwargs, self.group_options, 1)
                 and layouts <= {"element", "scalar"})
+
+    @functools.cached_property
+    def vector_separable(self) -> bool:
+        """As :attr:`row_separable`, for a vector split in pieces: an optimizer can be element-wise on
+        a vector and not on a matrix (GaLore projects matrices only; on a vector it is Adam)."""
+        return _vector_separable(self.optimizer_class, self.kwargs, self.group_options)
 
     @property
     def name(self) -> str:
@@ -375,6 +382,23 @@ def _separable(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], options
     generator = torch.Generator().manual_seed(0)
     start = torch.randn(_ROWS, _COLS, generator=generator, dtype=torch.float64)
     return all(_separable_on(cls, kwargs, options, axis, start, g) for g in _probe_gradients(start, generator))
+
+
+def _vector_separable(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], options: dict[str, Any]) -> bool:
+    """:func:`_separable` for a vector in two halves: random gradients, and a first one orthogonal to
+    the weight."""
+    if "lr" in kwargs:
+        kwargs = {**kwargs, "lr": 1e-2}
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(_ROWS * _COLS, generator=generator, dtype=torch.float64)
+
+    def randn():
+        return torch.randn(start.shape, generator=generator, dtype=torch.float64)
+
+    first = randn()
+    sequences = [[randn() for _ in range(_PROBE_STEPS)],
+                 [first - (first @ start) / (start @ start) * start] + [randn() for _ in range(_PROBE_STEPS - 1)]]
+    return all(_separable_on(cls, kwargs, options, 0, start, g) for g in sequences)
 
 
 def _probe_gradients(start: torch.Tensor, generator: torch.Generator) -> list[list[torch.Tensor]]:

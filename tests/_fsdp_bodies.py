@@ -347,14 +347,20 @@ def layerwise(rank, world_size, name, steps=4, statistics=True):
     """The weights with a layer-wise optimizer (tests/_layerwise_bodies.LAYERWISE), the biases Adam, each
     step against the package on one process; the all-reduces of one backward; with ``statistics`` off
     (a mutation: each shard keeps its own sums), the same differences, which must then be large."""
-    from _layerwise_bodies import LAYERWISE
+    from _layerwise_bodies import GALORE_OPTIONS, LAYERWISE
 
-    cls, kwargs = LAYERWISE[name]
+    if name == "galore":  # the settings of its projection go in its param group
+        from pytorch_optimizer import GaLore
+
+        cls, kwargs, options = GaLore, {"lr": 0.02, "weight_decay": 0.01}, GALORE_OPTIONS
+    else:
+        (cls, kwargs), options = LAYERWISE[name], {}
     model, reference, ref_opts = mlp(), None, []
     reference = copy.deepcopy(model)
-    overlap_optim.apply_optimizer_in_backward(cls, [m.weight for m in _linears(model)], kwargs)
+    overlap_optim.apply_optimizer_in_backward(cls, [m.weight for m in _linears(model)], kwargs,
+                                              group_options=options or None)
     overlap_optim.apply_optimizer_in_backward(BIASES[0], [m.bias for m in _linears(model)], BIASES[1])
-    ref_opts = [cls([m.weight for m in _linears(reference)], **kwargs),
+    ref_opts = [cls([{"params": [m.weight for m in _linears(reference)], **options}], **kwargs),
                 BIASES[0]([m.bias for m in _linears(reference)], **BIASES[1])]
     start = [p.detach().clone() for p in reference.parameters()]
     overlap_optim.fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))

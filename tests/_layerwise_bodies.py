@@ -87,6 +87,9 @@ from _models import ManyTableModel, covering_batch, loss_of  # noqa: E402
 from _sharded_parity import shard_like_reference, step_side_by_side, train_and_compare  # noqa: E402
 from sharders.describe import kernel_rows  # noqa: E402
 
+# Layer-wise optimizers with group options, (class, kwargs, group options), on split tables in a
+# model of their own.
+SPLIT_ONLY = {"galore": (GaLore, {"lr": 0.02, "weight_decay": 0.01}, GALORE_OPTIONS)}
 SPLITTING = ("row_wise", "column_wise", "table_row_wise", "table_column_wise")
 LAYERWISE = {
     "adafactor": (torch.optim.Adafactor, {"lr": 0.05}),
@@ -99,12 +102,12 @@ LAYERWISE = {
 }
 
 
-def split_table(rank, world_size, sharding_type, cover):
-    """Every layer-wise optimizer on one split sharding type, 4 steps, on batches that touch every
-    row (``cover``) or leave rows untouched (dense semantics either way): how far each reference
-    table moved, and each table's differences from the reference after every step."""
+def split_table(rank, world_size, sharding_type, cover, settings=LAYERWISE):
+    """Every layer-wise optimizer of ``settings`` on one split sharding type, 4 steps, on batches that
+    touch every row (``cover``) or leave rows untouched (dense semantics either way): how far each
+    reference table moved, and each table's differences from the reference after every step."""
     diffs = {}
-    moved = train_and_compare(rank, world_size, list(LAYERWISE), list(LAYERWISE.values()), sharding_type, steps=4,
+    moved = train_and_compare(rank, world_size, list(settings), list(settings.values()), sharding_type, steps=4,
                               cover=cover, diffs=diffs)
     return {"moved": moved, "diffs": diffs}
 
@@ -222,3 +225,33 @@ def floor_bound(rank, world_size, steps=3):
         except ValueError as error:
             return {"step": step, "error": str(error)}
     return {"step": None, "error": ""}
+
+
+def galore_resharded(rank, world_size, directory, before="row_wise", after="column_wise", saved_at=2, steps=4):
+    """A GaLore table (and an Adafactor one beside it) sharded ``before``, saved with
+    ``overlap_optim.checkpoint`` after ``saved_at`` steps (its projector and low-rank moments), loaded
+    into a model of other weights sharded ``after``, trained on: each table's differences from the
+    package on the unsharded model after every step, and how far the reference moved."""
+    from _sharded_parity import build, compare
+
+    from overlap_optim import checkpoint
+
+    names = ["galore", "adafactor"]
+    settings = [SPLIT_ONLY["galore"], LAYERWISE["adafactor"]]
+    dmp, reference, ref_opts = build(names, settings, before, world_size)
+    start = {n: reference.tables[n].weight.detach().clone() for n in names}
+    diffs: dict = {}
+
+    def step(model, s):
+        parts = [covering_batch(names, torch.Generator().manual_seed(300 + s), cover=False) for _ in range(world_size)]
+        step_side_by_side(model, reference, ref_opts, names, parts, rank, s, diffs=diffs)
+
+    for s in range(saved_at):
+        step(dmp, s)
+    checkpoint.save(directory, dmp, overlap_optim.get_optimizers(dmp))
+    resumed, _, _ = build(names, settings, after, world_size, seed=1)
+    checkpoint.load(directory, resumed, overlap_optim.get_optimizers(resumed))
+    compare(resumed, reference, names, "after load", diffs=diffs)
+    for s in range(saved_at, steps):
+        step(resumed, s)
+    return {"diffs": diffs, "moved": {n: (reference.tables[n].weight - start[n]).abs().max().item() for n in names}}

@@ -76,12 +76,17 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, Any], bool, str | None]] = {
     "rmsprop": ("torch.optim.RMSprop", {"lr": 0.01}, False, None),
     "adafactor": ("torch.optim.Adafactor", {"lr": 0.05}, True, None),
     "lamb": ("pytorch_optimizer.Lamb", {"lr": 0.05, "weight_decay": 0.01}, True, None),  # third-party
+    # third-party; its projection's settings are group options (GROUP_OPTIONS): a split table gathers its gradient
+    "galore": ("pytorch_optimizer.GaLore", {"lr": 0.02, "weight_decay": 0.01}, True, None),
 }
+# import path -> the group options of an optimizer that reads settings from its param group
+GROUP_OPTIONS = {"pytorch_optimizer.GaLore": {"rank": 2, "update_proj_gap": 2, "scale": 0.25, "projection_type": "std"}}
 NO_OPTIMIZER = ("user", "frozen")  # the user's own optimizer steps it; requires_grad=False
 USER_OPTIMIZER = ("torch.optim.SGD", {"lr": 0.1})
 # the annotated MLP's optimizer (Config.dense_optimizer): element-wise, or layer-wise (across the pieces of a
 # sharded or tensor-parallel parameter, with its cross-shard form)
-DENSE_OPTIMIZERS = {"adam": ("torch.optim.Adam", {"lr": 0.02}), "adafactor": ("torch.optim.Adafactor", {"lr": 0.02})}
+DENSE_OPTIMIZERS = {"adam": ("torch.optim.Adam", {"lr": 0.02}), "adafactor": ("torch.optim.Adafactor", {"lr": 0.02}),
+                    "galore": ("pytorch_optimizer.GaLore", {"lr": 0.02})}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -530,7 +535,7 @@ class ReferenceTrainer:
                 if t.lazy and (not config.cover or t.managed):  # a managed table's slots are not all touched
                     assert lazy_path is not None, f"{t}: no lazy reference (the strategy must not draw it)"
                     path = lazy_path
-                optimizer = _class(path)([weight], **kwargs)
+                optimizer = _class(path)([{"params": [weight], **GROUP_OPTIONS.get(path, {})}], **kwargs)
                 self.optimizers.append(optimizer)
                 if t.state_bf16:
                     self.bf16_state.append(optimizer)
@@ -541,7 +546,8 @@ class ReferenceTrainer:
             self.users.append(_class(USER_OPTIMIZER[0])(model.dense.parameters(), **USER_OPTIMIZER[1]))
         else:
             path, kwargs = DENSE_OPTIMIZERS[config.dense_optimizer]
-            self.dense_optimizer = _class(path)(model.dense.parameters(), **kwargs)
+            group = {"params": list(model.dense.parameters()), **GROUP_OPTIONS.get(path, {})}
+            self.dense_optimizer = _class(path)([group], **kwargs)
             self.optimizers.append(self.dense_optimizer)
             if config.dense_state_bf16:
                 self.bf16_state.append(self.dense_optimizer)
@@ -699,11 +705,13 @@ class Ours:
             elif t.optimizer != "user":
                 path, kwargs, _, _ = OPTIMIZERS[t.optimizer]
                 overlap_optim.apply_optimizer_in_backward(_class(path), [weight], kwargs,
-                                                          state_dtype=_state_dtype(t.state_bf16))
+                                                          state_dtype=_state_dtype(t.state_bf16),
+                                                          group_options=GROUP_OPTIONS.get(path))
         if config.dense_part not in ("user", "user_ddp"):
             path, kwargs = DENSE_OPTIMIZERS[config.dense_optimizer]
             overlap_optim.apply_optimizer_in_backward(_class(path), model.dense.parameters(), kwargs,
-                                                      state_dtype=_state_dtype(config.dense_state_bf16))
+                                                      state_dtype=_state_dtype(config.dense_state_bf16),
+                                                      group_options=GROUP_OPTIONS.get(path))
         self.clip = None
         if config.clip is not None:
             members = [tables[t.key].weight for t in config.tables if t.optimizer != "frozen"]

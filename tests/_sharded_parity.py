@@ -39,6 +39,7 @@ def build(names, settings, sharding_type, world_size, sharder=None, dense=None, 
           before_dmp=None):
     """(sharded DMP model, unsharded reference, reference optimizers) from one seed.
 
+    ``settings``: each table's ``(class, kwargs)``, or ``(class, kwargs, group_options)``.
     ``sharding_type``: one for every table, or a dict table -> type.
     ``dense=(cls, kwargs)`` also annotates the MLP and wraps it with our DataParallelWrapper.
     ``together``: annotate all tables in one call (one param group; settings must agree).
@@ -54,10 +55,11 @@ def build(names, settings, sharding_type, world_size, sharder=None, dense=None, 
     reference = copy.deepcopy(model)
     if together:
         apply_optimizer_in_backward(*settings[0][:1], [model.tables[n].weight for n in names], settings[0][1])
-    for name, (cls, kwargs) in zip(names, settings):
+    for name, (cls, kwargs, *options) in zip(names, settings):  # options: its group_options, if any
         if not together:
-            apply_optimizer_in_backward(cls, model.tables[name].parameters(), kwargs)
-    ref_opts = [cls(reference.tables[n].parameters(), **kw) for n, (cls, kw) in zip(names, settings)]
+            apply_optimizer_in_backward(cls, model.tables[name].parameters(), kwargs, group_options=(options or [None])[0])
+    ref_opts = [cls([{"params": list(reference.tables[n].parameters()), **((options or [None])[0] or {})}], **kw)
+                for n, (cls, kw, *options) in zip(names, settings)]
     data_parallel_wrapper, wrapper = wrapper, {}
     if dense is not None:  # the MLP's dense_layers annotated (dense[2] left to a user optimizer by default)
         apply_optimizer_in_backward(dense[0], [p for i in dense_layers for p in model.dense[i].parameters()], dense[1])
@@ -146,9 +148,10 @@ def assert_table_exact(per_rank, name, atol, label):
                          f"(comparison {bad[0][0]})")
 
 
-def step_side_by_side(dmp, reference, ref_opts, names, parts, rank, step, user=None):
+def step_side_by_side(dmp, reference, ref_opts, names, parts, rank, step, user=None, diffs=None):
     """One step: ours on this rank's part (then ``user``'s optimizer, if any), the reference on the
-    global batch with its torch.optim optimizers; then every weight compared."""
+    global batch with its torch.optim optimizers; then every weight compared (``diffs``: as
+    :func:`compare` takes it)."""
     loss_of(dmp, parts[rank]).backward()
     if user is not None:
         user.step()
@@ -157,7 +160,7 @@ def step_side_by_side(dmp, reference, ref_opts, names, parts, rank, step, user=N
     for opt in ref_opts:
         opt.step()
     reference.zero_grad()
-    compare(dmp, reference, names, step)
+    compare(dmp, reference, names, step, diffs=diffs)
 
 
 def warmup_then_decay(step: int) -> float:

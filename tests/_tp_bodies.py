@@ -74,7 +74,28 @@ def _setting(name: str) -> tuple:
         from pytorch_optimizer import Lion
 
         return Lion, {"lr": 0.01, "weight_decay": 0.01}
+    if name == "galore":  # its projection's settings go in its param group (_options)
+        from pytorch_optimizer import GaLore
+
+        return GaLore, {"lr": 0.02, "weight_decay": 0.01}
     return simple[name] if name in simple else LAYERWISE[name]
+
+
+def _options(name: str) -> dict | None:
+    """Optimizer ``name``'s group options (settings it reads from its param group), or None."""
+    from _layerwise_bodies import GALORE_OPTIONS
+
+    return GALORE_OPTIONS if name == "galore" else None
+
+
+def _annotate(params: list, name: str) -> None:
+    cls, kwargs = _setting(name)
+    overlap_optim.apply_optimizer_in_backward(cls, params, kwargs, group_options=_options(name))
+
+
+def _reference(params: list, name: str) -> torch.optim.Optimizer:
+    cls, kwargs = _setting(name)
+    return cls([{"params": params, **(_options(name) or {})}], **kwargs)
 
 
 def train(rank, world_size, name, order="after", steps=3, biases=None, max_norm=None):
@@ -83,8 +104,7 @@ def train(rank, world_size, name, order="after", steps=3, biases=None, max_norm=
     ``parallelize_module``; each step's largest difference from the reference, how far the
     reference moved its least moved parameter, and with ``max_norm`` each step's norm, ours and
     ``clip_grad_norm_``'s on the reference."""
-    cls, kwargs = _setting(name)
-    bcls, bkwargs = _setting(biases) if biases else (cls, kwargs)
+    biases = biases or name
     model = mlp()
     reference = copy.deepcopy(model)
     mesh = init_device_mesh("cpu", (world_size,))
@@ -92,8 +112,8 @@ def train(rank, world_size, name, order="after", steps=3, biases=None, max_norm=
     clips = []
 
     def annotate():
-        overlap_optim.apply_optimizer_in_backward(cls, [model.fc1.weight, model.fc2.weight], kwargs)
-        overlap_optim.apply_optimizer_in_backward(bcls, [model.fc1.bias, model.fc2.bias], bkwargs)
+        _annotate([model.fc1.weight, model.fc2.weight], name)
+        _annotate([model.fc1.bias, model.fc2.bias], biases)
         if max_norm is not None:
             clips.append(overlap_optim.apply_gradient_clipping(model.parameters(), max_norm=max_norm))
 
@@ -102,8 +122,8 @@ def train(rank, world_size, name, order="after", steps=3, biases=None, max_norm=
     parallelize_module(model, mesh, PLAN)
     if order == "after":
         annotate()
-    ref_opts = [cls([reference.fc1.weight, reference.fc2.weight], **kwargs),
-                bcls([reference.fc1.bias, reference.fc2.bias], **bkwargs)]
+    ref_opts = [_reference([reference.fc1.weight, reference.fc2.weight], name),
+                _reference([reference.fc1.bias, reference.fc2.bias], biases)]
     start = [p.detach().clone() for p in reference.parameters()]
     diffs, norms = [], []
     if max_norm is not None:  # the reference's norm, as clip_grad_norm_ returns it, before its step
@@ -131,15 +151,14 @@ class _Clipping:
 def statistics_local(rank, world_size, name="adafactor", steps=3):
     """The mutation: each rank finishes the cross-shard step on its own piece's sums, never reduced.
     Returns the differences, which must then be large."""
-    cls, kwargs = _setting(name)
     model, reference = mlp(), mlp()
     parallelize_module(model, init_device_mesh("cpu", (world_size,)), PLAN)
-    overlap_optim.apply_optimizer_in_backward(cls, model.parameters(), kwargs)
+    _annotate(list(model.parameters()), name)
     for param in model.parameters():
         step = record_of(param).piece_step
-        if step is not None:
+        if step is not None and step.round is not None:  # None: stepped with its own class (GaLore's biases)
             step.round.local = True
-    ref_opt = cls(reference.parameters(), **kwargs)
+    ref_opt = _reference(list(reference.parameters()), name)
     return {"diffs": [_step(model, reference, [ref_opt], step) for step in range(steps)]}
 
 
@@ -161,18 +180,17 @@ def all_reduces(rank, world_size, name="adafactor", steps=3):
 
 
 def refused(rank, world_size, order):
-    """GaLore (no cross-shard form) on the split weights, annotated ``order`` ``parallelize_module``:
-    the error, and whether any parameter changed."""
-    from _layerwise_bodies import GALORE_OPTIONS
-    from pytorch_optimizer import GaLore
+    """pytorch-optimizer's Nero (separable neither by rows nor by columns, no cross-shard form) on the
+    split weights, annotated ``order`` ``parallelize_module``: the error, and whether any parameter
+    changed."""
+    from pytorch_optimizer import Nero
 
     model = mlp()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     mesh = init_device_mesh("cpu", (world_size,))
 
     def annotate():
-        overlap_optim.apply_optimizer_in_backward(GaLore, [model.fc1.weight, model.fc2.weight], {"lr": 0.02},
-                                                  group_options=GALORE_OPTIONS)
+        overlap_optim.apply_optimizer_in_backward(Nero, [model.fc1.weight, model.fc2.weight], {"lr": 0.02})
 
     try:
         if order == "before":
@@ -195,12 +213,10 @@ def two_dimensional(rank, world_size, name, layout, shape, steps=3, statistics=T
     The weights with optimizer ``name``, the biases Adam; each step's largest difference from the
     reference on the global batch, and how far the reference moved. With ``statistics`` off (a
     mutation), every round of the pieces' steps is this rank's own."""
-    cls, kwargs = _setting(name)
-    bcls, bkwargs = _setting("adam")
     model = mlp()
     reference = copy.deepcopy(model)
-    overlap_optim.apply_optimizer_in_backward(cls, [model.fc1.weight, model.fc2.weight], kwargs)
-    overlap_optim.apply_optimizer_in_backward(bcls, [model.fc1.bias, model.fc2.bias], bkwargs)
+    _annotate([model.fc1.weight, model.fc2.weight], name)
+    _annotate([model.fc1.bias, model.fc2.bias], "adam")
     names = ("replicate", "shard") if layout == "hsdp" else ("dp", "tp")
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     if layout == "hsdp":
@@ -214,8 +230,8 @@ def two_dimensional(rank, world_size, name, layout, shape, steps=3, statistics=T
             for round_ in (getattr(step, "round", None), getattr(getattr(step, "shard", None), "norm_round", None)):
                 if round_ is not None:
                     round_.local = True
-    ref_opts = [cls([reference.fc1.weight, reference.fc2.weight], **kwargs),
-                bcls([reference.fc1.bias, reference.fc2.bias], **bkwargs)]
+    ref_opts = [_reference([reference.fc1.weight, reference.fc2.weight], name),
+                _reference([reference.fc1.bias, reference.fc2.bias], "adam")]
     start = [p.detach().clone() for p in reference.parameters()]
     rows = _batch(0)[0].shape[0] // shape[0]
     mine, whole = slice(mesh.get_local_rank(0) * rows, (mesh.get_local_rank(0) + 1) * rows), slice(rows * shape[0])
@@ -257,17 +273,15 @@ def checkpointed(rank, world_size, name, steps=2):
     """``steps`` steps with ``name`` on the weights (Adam on the biases), then the model's and
     ``get_optimizers``' state dicts loaded into a fresh tensor-parallel model, which trains ``steps``
     more: each step's largest difference from the reference, and how far the reference moved."""
-    cls, kwargs = _setting(name)
-    bcls, bkwargs = _setting("adam")
     mesh = init_device_mesh("cpu", (world_size,))
     reference = mlp()
-    ref_opts = [cls([reference.fc1.weight, reference.fc2.weight], **kwargs),
-                bcls([reference.fc1.bias, reference.fc2.bias], **bkwargs)]
+    ref_opts = [_reference([reference.fc1.weight, reference.fc2.weight], name),
+                _reference([reference.fc1.bias, reference.fc2.bias], "adam")]
 
     def fresh(seed):
         model = mlp(seed)
-        overlap_optim.apply_optimizer_in_backward(cls, [model.fc1.weight, model.fc2.weight], kwargs)
-        overlap_optim.apply_optimizer_in_backward(bcls, [model.fc1.bias, model.fc2.bias], bkwargs)
+        _annotate([model.fc1.weight, model.fc2.weight], name)
+        _annotate([model.fc1.bias, model.fc2.bias], "adam")
         return parallelize_module(model, mesh, PLAN)
 
     model, diffs = fresh(0), []

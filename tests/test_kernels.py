@@ -13,11 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from came_pytorch import CAME
-from pytorch_optimizer import LARS, Lamb
+from pytorch_optimizer import LARS, GaLore, Lamb
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 
 import sharders
+from _layerwise_bodies import GALORE_OPTIONS
 from _memory import allocated_peak
 from _models import ManyTableModel, covering_batch, loss_of
 from overlap_optim import apply_optimizer_in_backward
@@ -155,6 +156,7 @@ STEPPED = {  # cross-shard tables: (optimizer, kwargs, sharding type)
     "came/column_wise": (CAME, {"lr": 0.01}, "column_wise"),
     "lars/row_wise": (LARS, {"lr": 0.01}, "row_wise"),
     "muon/row_wise": (torch.optim.Muon, {"lr": 0.01}, "row_wise"),
+    "galore/column_wise": (GaLore, {"lr": 0.01}, "column_wise"),
     "rowwise_adagrad/column_wise": (RowWiseAdagrad, {"lr": 0.01}, "column_wise"),
     # FP16 and BF16 shards step a float32 copy, held through both halves, with float32 temporaries
     "lamb/row_wise/bf16": (Lamb, {"lr": 0.01}, "row_wise", torch.bfloat16),
@@ -173,7 +175,8 @@ def test_step_bytes_per_shard_are_the_peak_of_a_cross_shard_step(case):
     cls, kwargs, sharding_type, *dtype = STEPPED[case]
     dtype = dtype[0] if dtype else torch.float32
     shard = (TABLE[0] // 2, TABLE[1]) if split_axis(sharding_type) == 0 else (TABLE[0], TABLE[1] // 2)
-    group = AnnotationGroup(describe_optimizer(cls, kwargs))
+    options = GALORE_OPTIONS if cls is GaLore else None  # its projection: rank 2, a new one every 2 steps
+    group = AnnotationGroup(describe_optimizer(cls, kwargs, group_options=options))
     kind = next(k for k in KINDS if k.cls is CrossShardTable)
     table = CrossShardTable(TableDecision("t", sharding_type, TABLE, group, KernelChoice(False), kind))
     round_ = EndOfBackwardRound(local=True)

@@ -2,7 +2,7 @@
 
 Reference: the optimizer's own package on the unsharded model with the global batch, built
 as a user would (``torch.optim.Adafactor``, ``came_pytorch.CAME``, pytorch-optimizer's ``Lamb``
-and ``LARS``, ``torch.optim.Muon``), compared after every step within 1e-5 (on split tables: the
+and ``LARS`` and ``GaLore``, ``torch.optim.Muon``), compared after every step within 1e-5 (on split tables: the
 ranks record each table's differences, and each table's test asserts them).
 Dense semantics: batches that leave rows untouched are compared with the dense reference.
 """
@@ -14,18 +14,29 @@ from functools import partial
 import pytest
 
 from overlap_optim.testing import run_cases, selected_cases
-from _layerwise_bodies import LAYERWISE, SPLITTING, floor_bound, mixed_model, round_counts, split_table, untouched_shard
+from _layerwise_bodies import (
+    LAYERWISE, SPLIT_ONLY, SPLITTING, floor_bound, galore_resharded, mixed_model, round_counts, split_table,
+    untouched_shard,
+)
 from _sharded_parity import assert_table_exact
 
 SPLIT = {f"split/{st}/{rows}": partial(split_table, sharding_type=st, cover=rows == "every_row")
          for st in SPLITTING for rows in ("every_row", "some_rows")}
-RANK_CASES = {**SPLIT, "rounds": round_counts, "mixed": mixed_model, "untouched": untouched_shard,
+SPLIT_GALORE = {f"{case}/galore": partial(body, settings=SPLIT_ONLY) for case, body in SPLIT.items()}
+RANK_CASES = {**SPLIT, **SPLIT_GALORE, "rounds": round_counts, "mixed": mixed_model, "untouched": untouched_shard,
               "floor": floor_bound}
 
 
+# a GaLore table saved under one plan, loaded under another: (before, after)
+RESHARDED = {f"resharded/{a}/{b}": (a, b) for a, b in (("row_wise", "column_wise"), ("column_wise", "table_wise"),
+                                                      ("table_wise", "row_wise"))}
+
+
 @pytest.fixture(scope="module")
-def ranks(request):
-    return run_cases(RANK_CASES, selected_cases(request, RANK_CASES), timeout=600)
+def ranks(request, tmp_path_factory):
+    cases = {**RANK_CASES, **{case: partial(galore_resharded, directory=str(tmp_path_factory.mktemp("galore")),
+                                            before=a, after=b) for case, (a, b) in RESHARDED.items()}}
+    return run_cases(cases, selected_cases(request, cases), timeout=600)
 
 
 @pytest.mark.parametrize("name", LAYERWISE)
@@ -35,6 +46,26 @@ def test_layerwise_optimizers_are_exact_on_split_tables(ranks, case, name):
     assert_table_exact(per_rank, name, 1e-5, case)
     for out in per_rank:
         assert out["moved"][name] >= 1e-3, f"the reference did not move {name}"
+
+
+@pytest.mark.parametrize("case", SPLIT_GALORE)
+def test_galore_is_exact_on_split_tables(ranks, case):
+    """GaLore (pytorch-optimizer, rank 2, a new projection every 2 steps): the table's gradient
+    gathered for its projection (overlap_optim/cross_shard_galore.py)."""
+    per_rank = ranks[case]
+    assert_table_exact(per_rank, "galore", 1e-5, case)
+    assert min(out["moved"]["galore"] for out in per_rank) > 1e-3, "the reference did not move"
+
+
+@pytest.mark.parametrize("case", RESHARDED)
+def test_a_galore_checkpoint_reshards_across_plans(ranks, case):
+    """GaLore's state (its projector, read at every step between two projections, and its low-rank
+    moments) saved with overlap_optim.checkpoint under one sharding type and loaded under another into
+    other weights: every step before and after the load within 1e-5 of the package on the unsharded
+    model, an Adafactor table beside it."""
+    for name in ("galore", "adafactor"):
+        assert_table_exact(ranks[case], name, 1e-5, case)
+    assert min(out["moved"]["galore"] for out in ranks[case]) > 1e-3
 
 
 @pytest.mark.parametrize("case", ["rounds"])

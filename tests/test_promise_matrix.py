@@ -57,7 +57,8 @@ PREDICATES = {
                            or (t.mean and _type_of(c, t.name) in ("row_wise", "table_row_wise")) for t in c.tables)),
     "meta_dense_foreign_wrapper": lambda c: c.meta == "dmp" and c.dense_part == "user_ddp" and c.clip is not None
     and c.clip[1] == "everything",
-    "managed_collision_state": lambda c: any(t.managed and t.optimizer in ("user", "adafactor") for t in c.tables),
+    "managed_collision_state": lambda c: any(t.managed and t.optimizer in ("user", "adafactor", "galore")
+                                             for t in c.tables),
     "managed_collision_weighted": lambda c: c.weighted and any(t.managed for t in c.tables),
     "ambiguous_table_option": lambda c: not c.qualified and any(
         t.dense and sum(u.bagged and u.name == t.name for u in c.tables) > 1 for t in c.tables if t.bagged),
@@ -129,7 +130,7 @@ def configs(draw) -> Config:
         non_finite=non_finite,
         # the annotated MLP's Adam with BF16 state, as the tables' (state_bf16)
         dense_state_bf16=dense_part not in ("user", "user_ddp") and draw(st.sampled_from([False] * 4 + [True])),
-        dense_optimizer="adam" if dense_part in ("user", "user_ddp") else draw(st.sampled_from(["adam", "adam", "adafactor"])),
+        dense_optimizer="adam" if dense_part in ("user", "user_ddp") else draw(st.sampled_from(["adam", "adam", "adafactor", "galore"])),
         schedule=draw(st.booleans()),
         # a managed table's checkpoint on another world size is refused (tests/test_managed_collision.py)
         checkpoint=draw(st.sampled_from([None, "in_place", "rollback", "torch_save", "other_plan", "dcp",

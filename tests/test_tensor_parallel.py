@@ -20,12 +20,14 @@ from overlap_optim.testing import run_cases
 import _tp_bodies as bodies
 
 # Rprop: element-wise, no virtual group (its own step on a DTensor crashed: masked assignment has no
-# DTensor rule); Lion (pytorch-optimizer): third-party, element-wise, no virtual group; RowWiseAdagrad: separable by rows only (its column form on fc2's Shard(1) weight).
-SETTINGS = ("adam", "sgd", "rprop", "lion", "adafactor", "came", "lamb", "lars", "muon", "rowwise_adagrad")
+# DTensor rule); Lion (pytorch-optimizer): third-party, element-wise, no virtual group; GaLore
+# (pytorch-optimizer): the gradient gathered for its projection, Adam on its biases (element-wise on a
+# vector); RowWiseAdagrad: separable by rows only (its column form on fc2's Shard(1) weight).
+SETTINGS = ("adam", "sgd", "rprop", "lion", "adafactor", "came", "lamb", "lars", "muon", "galore", "rowwise_adagrad")
 BIASES = {"muon": "adam", "rowwise_adagrad": "adam"}  # the biases' optimizer where the weights' steps no vector
 ORDERS = ("after", "before")
 CLIPPED = ("adam", "adafactor", "muon")
-CHECKPOINTED = ("adam", "adafactor", "came", "lamb", "muon")
+CHECKPOINTED = ("adam", "adafactor", "came", "lamb", "muon", "galore")
 
 
 def _train(name, order, max_norm=None):
@@ -36,10 +38,11 @@ CASES = {
     **{f"{name}-{order}": _train(name, order) for name in SETTINGS for order in ORDERS},
     **{f"{name}-{order}-clipped": _train(name, order, 0.5) for name in CLIPPED for order in ORDERS},
     "statistics-local": bodies.statistics_local,
+    "statistics-local-galore": functools.partial(bodies.statistics_local, name="galore"),
     "all-reduces": bodies.all_reduces,
     **{f"refused-{order}": functools.partial(bodies.refused, order=order) for order in ORDERS},
     **{f"{layout}-{shape}-{name}": functools.partial(bodies.two_dimensional, name=name, layout=layout, shape=shape)
-       for layout in ("hsdp", "dp_tp") for shape in ((1, 2), (2, 1)) for name in CLIPPED},
+       for layout in ("hsdp", "dp_tp") for shape in ((1, 2), (2, 1)) for name in CLIPPED + ("galore",)},
     "dmp": bodies.dmp_with_tp,
     "torch-fully-shard-2d": bodies.torch_fully_shard_2d,
     **{f"checkpointed-{name}": functools.partial(bodies.checkpointed, name=name) for name in CHECKPOINTED},
@@ -48,7 +51,7 @@ FOUR_RANKS = {
     **{f"hsdp-{name}": functools.partial(bodies.two_dimensional, name=name, layout="hsdp", shape=(2, 2))
        for name in CLIPPED},
     **{f"dp_tp-{name}": functools.partial(bodies.two_dimensional, name=name, layout="dp_tp", shape=(2, 2))
-       for name in ("adam", "muon", "lamb", "lars", "adafactor", "came")},
+       for name in ("adam", "muon", "lamb", "lars", "adafactor", "came", "galore")},
     **{f"dp_tp-{name}-local": functools.partial(bodies.two_dimensional, name=name, layout="dp_tp", shape=(2, 2),
                                                 statistics=False) for name in ("adafactor", "came")},
     "dp_tp-rowwise_adagrad-refused": functools.partial(bodies.refused_two_splits, name="rowwise_adagrad"),
@@ -89,9 +92,11 @@ def test_clipping_by_global_norm_counts_each_element_once(results, name, order):
             assert reference > 0.5  # it clipped
 
 
-def test_the_statistics_cross_the_pieces(results):
-    """The mutation: each piece finishing on its own sums ends far from the reference."""
-    for rank in results["statistics-local"]:
+@pytest.mark.parametrize("case", ["statistics-local", "statistics-local-galore"])
+def test_the_statistics_cross_the_pieces(results, case):
+    """The mutation: each piece finishing on its own sums (Adafactor), or GaLore projecting its own
+    piece's gradient (zeros elsewhere), ends far from the reference."""
+    for rank in results[case]:
         assert max(rank["diffs"]) > 1e-3, rank["diffs"]
 
 
@@ -105,15 +110,15 @@ def test_one_all_reduce_per_step(results):
 
 @pytest.mark.parametrize("order", ORDERS)
 def test_an_optimizer_with_no_cross_shard_form_is_refused_by_name(results, order):
-    """GaLore on a split weight: refused at annotation (after) or when ``parallelize_module``
+    """Nero on a split weight: refused at annotation (after) or when ``parallelize_module``
     places it (before), on every rank, naming the parameter and its placement, nothing changed."""
     for rank in results[f"refused-{order}"]:
-        assert rank["error"] is not None and "GaLore" in rank["error"] and "Shard" in rank["error"], rank
+        assert rank["error"] is not None and "Nero" in rank["error"] and "Shard" in rank["error"], rank
         assert ("params[0]" if order == "after" else "Linear.weight") in rank["error"], rank["error"]
         assert rank["changed"] == []
 
 
-@pytest.mark.parametrize("name", CLIPPED)
+@pytest.mark.parametrize("name", CLIPPED + ("galore",))
 @pytest.mark.parametrize("layout", ("hsdp", "dp_tp"))
 @pytest.mark.parametrize("shape", ((1, 2), (2, 1)))
 def test_two_dimensional_meshes_on_two_ranks(results, layout, shape, name):
@@ -126,12 +131,12 @@ def test_two_dimensional_meshes_on_two_ranks(results, layout, shape, name):
 
 
 @pytest.mark.parametrize("case", ["hsdp-adam", "hsdp-adafactor", "hsdp-muon", "dp_tp-adam", "dp_tp-muon",
-                                  "dp_tp-lamb", "dp_tp-lars", "dp_tp-adafactor", "dp_tp-came"])
+                                  "dp_tp-lamb", "dp_tp-lars", "dp_tp-adafactor", "dp_tp-came", "dp_tp-galore"])
 def test_two_by_two_meshes_on_four_ranks(four_ranks, case):
     """The real 2 x 2 meshes: HSDP with element-wise and layer-wise optimizers (the statistics summed
     over the shard dimension, the replicas equal), and dp x tp, where fc1's rows are split over all
     four ranks (FSDP2's strided shards) and fc2's weight along both axes: Adam, the layer-wise
-    optimizers whose statistics are whole-tensor sums (LAMB, LARS) or the matrix (Muon), and the
+    optimizers whose statistics are whole-tensor sums (LAMB, LARS) or the matrix (Muon, GaLore), and the
     factored ones, Adafactor and CAME (the factors in one round; the update's norm, and CAME's
     residual sums, in a second). CAME's float32 steps are 1e-6 apart, as under FSDP2."""
     for rank in four_ranks[case]:
