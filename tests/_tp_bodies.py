@@ -206,15 +206,10 @@ def refused(rank, world_size, order):
     return {"error": error, "changed": changed}
 
 
-def two_dimensional(rank, world_size, name, layout, shape, steps=3, statistics=True):
-    """``layout`` "hsdp": ``overlap_optim.fully_shard`` over a (replicate, shard) mesh of ``shape``;
-    "dp_tp": ``parallelize_module`` over the mesh's "tp" dimension, then ``overlap_optim.fully_shard``
-    over its "dp" one. Each rank's batch is its dp (or replicate) coordinate's part of the global one.
-    The weights with optimizer ``name``, the biases Adam; each step's largest difference from the
-    reference on the global batch, and how far the reference moved. With ``statistics`` off (a
-    mutation), every round of the pieces' steps is this rank's own."""
-    model = mlp()
-    reference = copy.deepcopy(model)
+def _placed_2d(name, layout, shape, seed=0):
+    """(the MLP of ``seed``, ``name`` on its weights and Adam on its biases, placed by ``layout`` over a
+    mesh of ``shape``, that mesh): see :func:`two_dimensional`."""
+    model = mlp(seed)
     _annotate([model.fc1.weight, model.fc2.weight], name)
     _annotate([model.fc1.bias, model.fc2.bias], "adam")
     names = ("replicate", "shard") if layout == "hsdp" else ("dp", "tp")
@@ -224,6 +219,24 @@ def two_dimensional(rank, world_size, name, layout, shape, steps=3, statistics=T
     else:
         parallelize_module(model, mesh["tp"], PLAN)
         overlap_optim.fully_shard(model, mesh=mesh["dp"])
+    return model, mesh
+
+
+def _dp_rows(mesh, shape) -> tuple[slice, slice]:
+    """(this rank's rows of each step's batch: its dp coordinate's part, the rows of the global batch)."""
+    rows = _batch(0)[0].shape[0] // shape[0]
+    return slice(mesh.get_local_rank(0) * rows, (mesh.get_local_rank(0) + 1) * rows), slice(rows * shape[0])
+
+
+def two_dimensional(rank, world_size, name, layout, shape, steps=3, statistics=True):
+    """``layout`` "hsdp": ``overlap_optim.fully_shard`` over a (replicate, shard) mesh of ``shape``;
+    "dp_tp": ``parallelize_module`` over the mesh's "tp" dimension, then ``overlap_optim.fully_shard``
+    over its "dp" one. Each rank's batch is its dp (or replicate) coordinate's part of the global one.
+    The weights with optimizer ``name``, the biases Adam; each step's largest difference from the
+    reference on the global batch, and how far the reference moved. With ``statistics`` off (a
+    mutation), every round of the pieces' steps is this rank's own."""
+    model, mesh = _placed_2d(name, layout, shape)
+    reference = mlp()
     if not statistics:
         for param in model.parameters():
             step = record_of(param).piece_step
@@ -233,9 +246,30 @@ def two_dimensional(rank, world_size, name, layout, shape, steps=3, statistics=T
     ref_opts = [_reference([reference.fc1.weight, reference.fc2.weight], name),
                 _reference([reference.fc1.bias, reference.fc2.bias], "adam")]
     start = [p.detach().clone() for p in reference.parameters()]
-    rows = _batch(0)[0].shape[0] // shape[0]
-    mine, whole = slice(mesh.get_local_rank(0) * rows, (mesh.get_local_rank(0) + 1) * rows), slice(rows * shape[0])
+    mine, whole = _dp_rows(mesh, shape)
     diffs = [_step(model, reference, ref_opts, step, mine, whole) for step in range(steps)]
+    return {"diffs": diffs, "moved": _moved(reference, start)}
+
+
+def two_dimensional_dcp(rank, world_size, name, shape, directory, steps=2):
+    """dp x tp over a mesh of ``shape`` with ``name`` on the weights: ``steps`` steps, a save with
+    ``overlap_optim.checkpoint`` (DCP), a load into the same layout of other weights, ``steps`` more.
+    Each step's largest difference from the reference on the global batch, and how far it moved."""
+    from overlap_optim import checkpoint
+
+    model, mesh = _placed_2d(name, "dp_tp", shape)
+    reference = mlp()
+    ref_opts = [_reference([reference.fc1.weight, reference.fc2.weight], name),
+                _reference([reference.fc1.bias, reference.fc2.bias], "adam")]
+    start = [p.detach().clone() for p in reference.parameters()]
+    mine, whole = _dp_rows(mesh, shape)
+    diffs = []
+    for step in range(2 * steps):
+        if step == steps:
+            checkpoint.save(directory, model, overlap_optim.get_optimizers(model))
+            model, _ = _placed_2d(name, "dp_tp", shape, seed=1)  # other weights: all must come from the checkpoint
+            checkpoint.load(directory, model, overlap_optim.get_optimizers(model))
+        diffs.append(_step(model, reference, ref_opts, step, mine, whole))
     return {"diffs": diffs, "moved": _moved(reference, start)}
 
 
