@@ -245,6 +245,13 @@ class CollectionSharder:
                 unknown = sorted(n for n in getattr(self, option) if "." not in n and n not in decisions)
                 if unknown:
                     raise ValueError(f"{option} names tables the module {path or '(root)'!r} does not have: {unknown}")
+                unplaced = sorted(n for n in getattr(self, option) if "." in n and n.rsplit(".", 1)[1] in decisions)
+                if unplaced and not path:  # they would be silently ignored: this module's path is unknown
+                    raise ValueError(
+                        f"{option} names {unplaced}, qualified by a module's path, and this module was sharded "
+                        "without its path: pass module_fqn to shard(), as DistributedModelParallel does, or "
+                        "name the tables unqualified"
+                    )
         unannotated = sorted(n for n in dense if decisions[n].group is None)
         if unannotated:
             raise ValueError(

@@ -199,6 +199,32 @@ def test_dense_tables_input_is_checked_by_name(world_of_one):
             DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
 
 
+def test_a_qualified_table_name_needs_the_module_path_when_shard_is_called_by_hand(world_of_one):
+    """``sharder.shard(module, ...)`` called by hand: ``dense_tables=["ebc.t0"]`` names the module's
+    table ``t0`` by its path, which only ``module_fqn`` gives. Without it, refused by name (the option
+    was silently ignored: t0 ran lazy); with it, t0 runs dense."""
+    from _models import TinyModel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.types import ShardingEnv
+
+    from overlap_optim import apply_optimizer_in_backward
+
+    model = TinyModel()
+    apply_optimizer_in_backward(torch.optim.Adam, model.ebc.parameters(), {"lr": 0.1})
+    sharder = sharders.EmbeddingBagCollectionSharder(dense_tables=["ebc.t0"])
+    plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu")).collective_plan(
+        model, [sharder], dist.group.WORLD
+    )
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    with pytest.raises(ValueError, match=r"dense_tables names \['ebc.t0'\], qualified by a module's path, and this "
+                                         r"module was sharded without its path: pass module_fqn"):
+        sharder.shard(model.ebc, plan.plan["ebc"], env, torch.device("cpu"))
+    sharded = sharder.shard(model.ebc, plan.plan["ebc"], env, torch.device("cpu"), module_fqn="ebc")
+    from sharders.describe import kernel_rows
+
+    assert [row[7] for row in kernel_rows(sharded)] == ["t0: dense; t1: lazy"]
+
+
 def test_materialized_dense_part_keeps_its_annotation_under_dmp(world_of_one):
     from _models import TinyModel
     from torchrec.distributed import DistributedModelParallel
