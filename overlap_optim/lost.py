@@ -127,13 +127,20 @@ def watch_fully_shard() -> torch.utils.hooks.RemovableHandle:
 
     FSDP2 has no hook of its own to tell, so this is torch's global forward pre-hook: it costs every
     module call of the process (``benchmarks/lost.py`` measures it), one ``isinstance`` once the
-    FSDP modules are checked.
+    FSDP modules are checked. Under ``torch.compile`` the check runs eagerly, as FSDP2's own hooks do;
+    ``torch.compile(module)`` then warns about global hooks (``module.compile()`` does not).
     """
     return torch.nn.modules.module.register_module_forward_pre_hook(_check_fsdp_module)
 
 
 def _check_fsdp_module(module: torch.nn.Module, args: Any) -> None:
-    if not isinstance(module, FSDPModule) or module_record(module).fsdp_checked:
+    if isinstance(module, FSDPModule):  # under torch.compile, a constant: no graph break for other modules
+        _check_once(module)
+
+
+@torch.compiler.disable  # eager even under torch.compile, as FSDP2's own hooks are
+def _check_once(module: FSDPModule) -> None:
+    if module_record(module).fsdp_checked:
         return
     refuse_lost_to_fsdp(module)
     for sub in module.modules():
