@@ -217,9 +217,8 @@ def _refuse_placement(spec: OptimizerSpec, param: torch.Tensor, label: str) -> N
 
 def _install_placement_step(param: torch.Tensor, label: str) -> None:
     """Make ``param`` (annotated) step on its DTensor pieces where its placement needs it
-    (:func:`~overlap_optim.placements.needs_piece_step`); its default step steps any other one."""
-    if placements.refusal(group_of(param).spec, param) is not None:
-        return
+    (:func:`~overlap_optim.placements.needs_piece_step`); its default step steps any other one. Its
+    placement was checked first (:func:`_refuse_placement`)."""
     if not placements.needs_piece_step(group_of(param), param):
         return
     step = placements.PieceStep(param, label)

@@ -36,7 +36,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
-from overlap_optim import _private
 from overlap_optim.accumulation import window_of_params
 from overlap_optim.annotation import (
     carry_over, reattach_annotations, record_annotations, replace_step_hook,

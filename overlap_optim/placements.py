@@ -9,13 +9,13 @@ piece steps where it lies:
 - Split (``Shard``, and FSDP2's strided shards over tensor parallelism) along one tensor dim, by one
   mesh dimension or several, or along both dims of a matrix (dp x tp's row-parallel weights). An
   optimizer whose update is separable along every split dim (:func:`exact_on_pieces`) steps each piece
-  alone. A layer-wise one (Adafactor, CAME, LAMB, LARS, Muon) steps across the pieces with its
+  alone. A layer-wise one (Adafactor, CAME, LAMB, LARS, Muon, GaLore) steps across the pieces with its
   cross-shard form (:mod:`overlap_optim.cross_shard_base`): the first half of the update on this
   rank's piece in backward, the whole-tensor statistics summed over the ranks whose pieces make the
-  whole (one all-reduce per round phase), then the second half (:class:`PieceStep`). Muon's
-  statistic is the whole matrix: a gather. A matrix split along both dims takes the forms whose
-  statistics are whole-tensor sums or the matrix (LAMB, LARS, Muon), and Adafactor's and CAME's in two
-  rounds.
+  whole (one all-reduce per round phase), then the second half (:class:`PieceStep`). Muon's and
+  GaLore's statistic is the whole matrix: a gather. A matrix split along both dims takes the forms
+  whose statistics are whole-tensor sums or the matrix (LAMB, LARS, Muon, GaLore), and Adafactor's
+  and CAME's in two rounds.
 
 :func:`refusal` says, before anything is changed, why a placement cannot be stepped exactly.
 """
@@ -128,7 +128,7 @@ def refusal(spec: OptimizerSpec, param: torch.Tensor) -> str | None:
 def needs_statistics(spec: OptimizerSpec, param: DTensor) -> bool:
     """Whether ``param``'s update needs its optimizer's cross-shard form: split along a dim its
     optimizer is not separable by, or whole on every rank (``Replicate``) under an optimizer separable
-    neither by rows nor by columns, whose update DTensor's own operators need not all run (LARS's
+    neither by rows nor by columns (a vector: not element-wise on a vector), whose update DTensor's own operators need not all run (LARS's
     ``_foreach_copy_``)."""
     if spec.row_separable and spec.column_separable:
         return False  # element-wise: each piece steps alone, however it is placed

@@ -4,8 +4,6 @@ measured, no import circles, TorchRec's private names confined to ``sharders/_pr
 from __future__ import annotations
 
 import ast
-import os
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
