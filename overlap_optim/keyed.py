@@ -24,7 +24,7 @@ from overlap_optim._private import ShardedTensor
 from overlap_optim.accumulation import StepTracker, track_steps
 from overlap_optim.lost import refuse_lost
 from overlap_optim.record import group_of, module_record
-from overlap_optim.spec import AnnotationGroup
+from overlap_optim.spec import AnnotationGroup, settings_of
 from overlap_optim.update import (
     drop_placeholder_state,
     has_real_state,
@@ -296,6 +296,14 @@ class InBackwardOptimizer(KeyedOptimizer):
                 undo()
         return restore
 
+    def param_groups_by_key(self) -> list[tuple[AnnotationGroup, list[str]]]:
+        """Each annotation group with a dense (not table) parameter, and the keys of its parameters
+        and tables, in ``param_groups`` order."""
+        keys: dict[int, list[str]] = {}
+        for key, param in self._in_backward.items():
+            keys.setdefault(id(group_of(param)), []).append(key)
+        return [(g, keys[id(g)] + self._table_keys_of.get(id(g), [])) for g in self._groups if id(g) in keys]
+
     def refuse_unloaded_template(self) -> None:
         """Raise if a state dict of this optimizer was filled in place (``dcp.load``) and never
         handed to :meth:`load_state_dict`: training on would silently drop what was read. Run
@@ -486,18 +494,52 @@ def get_optimizers(model: torch.nn.Module) -> KeyedOptimizer:
 
 
 def _check_before_forward(model: torch.nn.Module, optimizer: InBackwardOptimizer) -> None:
-    """Before each forward of ``model``, :meth:`InBackwardOptimizer.refuse_unloaded_template` of
-    every live keyed optimizer built for it (one hook per model, which holds them weakly)."""
+    """Before each forward of ``model``, :meth:`DenseSettings.refuse_changes` of its dense groups, and
+    :meth:`InBackwardOptimizer.refuse_unloaded_template` of every live keyed optimizer built for it
+    (one hook per model, which holds them weakly)."""
     found = module_record(model)
     if found.keyed_optimizers is None:
         found.keyed_optimizers = weakref.WeakSet()
-        model.register_forward_pre_hook(_refuse_unloaded_templates)
+        model.register_forward_pre_hook(_refuse_before_forward)
     found.keyed_optimizers.add(optimizer)
+    found.dense_settings = DenseSettings(optimizer.param_groups_by_key())
 
 
-def _refuse_unloaded_templates(model: torch.nn.Module, _inputs: Any) -> None:
-    for optimizer in list(module_record(model).keyed_optimizers or ()):
+def _refuse_before_forward(model: torch.nn.Module, _inputs: Any) -> None:
+    found = module_record(model)
+    if found.dense_settings is not None:
+        found.dense_settings.refuse_changes()
+    for optimizer in list(found.keyed_optimizers or ()):
         optimizer.refuse_unloaded_template()
+
+
+class DenseSettings:
+    """The fixed settings of a model's annotation groups of dense parameters, checked before each
+    forward (:func:`get_optimizers` installs it; it outlives the keyed optimizer, whose param groups
+    are these groups' own dicts).
+
+    A setting the annotation fixed, changed in a param group (by hand, or by ``load_state_dict``), is
+    refused by the parameters' own steps too, but in backward, after other groups had stepped; here
+    it is refused before anything steps. A group is checked only when its settings differ from those
+    it last passed with. Groups of tables alone are left to their sharder, which checks them by table
+    before the lookup (``sharders/live_settings.py``).
+
+    Args:
+        keys: each group of dense parameters, with the keys (FQNs) of its parameters and tables.
+    """
+
+    def __init__(self, keys: list[tuple[AnnotationGroup, list[str]]]) -> None:
+        self.keys = keys
+        self.passed: dict[int, tuple] = {}  # id(group) -> its settings when they last passed
+
+    def refuse_changes(self) -> None:
+        """Raise ValueError, naming the group's parameters and the setting, for a fixed setting changed."""
+        for group, keys in self.keys:
+            now = settings_of(group.param_group)
+            if self.passed.get(id(group)) != now:
+                names = f"{', '.join(sorted(keys)[:4])}{' ...' if len(keys) > 4 else ''}"
+                group.spec.check_live(group.param_group, f"param group {group.index} ({group.spec.name}: {names})")
+                self.passed[id(group)] = now
 
 
 def unoptimized_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

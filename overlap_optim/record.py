@@ -62,6 +62,7 @@ class ModuleRecord:
     fsdp_checked: bool = False  # lost.watch_fully_shard checked this FSDP module's parameters
     held_backward: Any = None  # sharders.fused_backward's hold on a fused kernel module
     keyed_optimizers: Any = None  # keyed's optimizers checked before a forward
+    dense_settings: Any = None  # keyed.DenseSettings: the fixed settings of the model's dense groups, checked so
     window: Any = None  # accumulation.Window: of a model (window_of), or of the model of a sharded module
     checks_load_dtypes: bool = False  # sharders.weight_dtypes' load_state_dict pre-hook is on this model's root
     # checks a sharder asks checkpoint.load to run on the model's state read from a checkpoint (keys

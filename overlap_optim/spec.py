@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["AnnotationGroup", "OptimizerSpec", "StateEntry", "describe_optimizer", "needs_closure"]
+__all__ = ["AnnotationGroup", "OptimizerSpec", "StateEntry", "describe_optimizer", "needs_closure", "settings_of"]
 
 # The 2-D probe: distinct sizes, so a state tensor's shape says what it follows; even, to split in two.
 _ROWS, _COLS = 6, 4
@@ -186,6 +186,12 @@ class OptimizerSpec:
             else value
             for name, value in optimizer.state[stand_in].items()
         }
+
+
+def settings_of(param_group: dict[str, Any]) -> tuple:
+    """A param group's settings as plain values (a tensor setting by its values), to tell cheaply
+    whether any changed since they last passed :meth:`OptimizerSpec.check_live`."""
+    return tuple((k, v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in param_group.items() if k != "params")
 
 
 class AnnotationGroup:

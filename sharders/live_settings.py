@@ -36,6 +36,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from overlap_optim.accumulation import module_accumulating
 from overlap_optim.keyed import refuse_compiling_pipeline
 from overlap_optim.record import group_of
+from overlap_optim.spec import settings_of
 from sharders import _private
 from sharders.kernels import ROW_SPLITTING, TableKernel
 
@@ -95,15 +96,10 @@ class _LiveChecks:
         for kernel in self.groupless:
             kernel.check_live()
         for key, kernel in self.by_group.items():
-            now = _settings(kernel.group.param_group)
+            now = settings_of(kernel.group.param_group)
             if self.passed.get(key) != now:
                 kernel.check_live()  # raises, naming the table, with nothing changed
                 self.passed[key] = now
-
-
-def _settings(param_group: dict[str, Any]) -> tuple:
-    """A param group's settings as plain values (a tensor setting by its values)."""
-    return tuple((k, v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in param_group.items() if k != "params")
 
 
 def _check_semi_sync(kernels: list[TableKernel], clips: list[Any]) -> None:
